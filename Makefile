@@ -1,0 +1,39 @@
+# raylane: the two contract commands are `make quickstart` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: install quickstart test test-unit lint format bench clean
+
+install: $(STAMP)
+
+# Re-runs only when pyproject.toml changes, so `make test` is quick once installed.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+quickstart: install
+	$(BIN)/raylane quickstart
+
+test: install
+	$(BIN)/python -m pytest
+
+test-unit: install
+	$(BIN)/python -m pytest tests/unit
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+bench: install
+	$(BIN)/python benchmarks/train_overhead.py
+
+clean:
+	rm -rf runs data mlruns mlartifacts mlflow.db .pytest_cache

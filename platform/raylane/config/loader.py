@@ -1,0 +1,110 @@
+"""Load a YAML run configuration, apply `key.path=value` overrides, validate it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from raylane.config.schema import RaylaneConfig
+
+
+class ConfigError(ValueError):
+    """A configuration problem, worded as one line that names the file and the field."""
+
+
+def parse_overrides(items: list[str] | None) -> dict[str, Any]:
+    """Turn `["training.epochs=3", ...]` into `{"training.epochs": 3, ...}`.
+
+    Values are parsed as YAML scalars/lists, so `3` is an int, `[64, 64]` a list, `true` a bool.
+    """
+    overrides: dict[str, Any] = {}
+    for item in items or []:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"override '{item}': expected KEY.PATH=VALUE, e.g. training.epochs=3")
+        try:
+            overrides[key] = yaml.safe_load(raw) if raw.strip() else None
+        except yaml.YAMLError as exc:
+            raise ConfigError(
+                f"override '{item}': value is not valid YAML ({getattr(exc, 'problem', exc)})"
+            ) from exc
+    return overrides
+
+
+def _apply_override(tree: dict[str, Any], dotted: str, value: Any, source: str) -> None:
+    node = tree
+    *parents, leaf = dotted.split(".")
+    for depth, part in enumerate(parents):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            where = ".".join(parents[: depth + 1])
+            raise ConfigError(f"{source}: override '{dotted}': '{where}' is not a section")
+        node = child
+    node[leaf] = value
+
+
+def _format_validation_error(source: str, exc: ValidationError) -> str:
+    problems = []
+    for err in exc.errors():
+        field = ".".join(str(part) for part in err["loc"])
+        message = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            message = "unknown key"
+        problems.append(f"{field}: {message}" if field else message)
+    return f"{source}: " + "; ".join(problems)
+
+
+def validate_config(tree: dict[str, Any], source: str = "<config>") -> RaylaneConfig:
+    """Validate a config mapping; raise ConfigError with a one-line message on failure."""
+    try:
+        return RaylaneConfig.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(source, exc)) from None
+
+
+def load_config(
+    path: str | Path, overrides: dict[str, Any] | list[str] | None = None
+) -> RaylaneConfig:
+    """Read `path`, apply overrides, and validate.
+
+    Raises:
+        ConfigError: the file is missing or unreadable, is not a YAML mapping, or does not
+            validate. The message names the file and the field.
+    """
+    path = Path(path)
+    if isinstance(overrides, list):
+        overrides = parse_overrides(overrides)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}: not valid YAML{where}") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections, got {type(tree).__name__}")
+    for dotted, value in (overrides or {}).items():
+        _apply_override(tree, dotted, value, str(path))
+    return validate_config(tree, str(path))
+
+
+def config_to_yaml(config: RaylaneConfig) -> str:
+    """The resolved config as YAML: what a run actually used, ready to run again."""
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{"a": {"b": 1}}` -> `{"a.b": 1}`; lists stay values."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{dotted}."))
+        else:
+            flat[dotted] = value
+    return flat

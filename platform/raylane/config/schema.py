@@ -1,0 +1,242 @@
+"""The run configuration schema.
+
+Every field carries a description: it is the documentation (README reference, `--help`, JSON
+Schema). Unknown keys are errors, and cross-field checks raise sentences a user understands.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+DIGITS_FEATURES = 64
+DIGITS_CLASSES = 10
+
+
+class StrictModel(BaseModel):
+    """Base for every section: unknown keys are errors, assignments are re-validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class DataConfig(StrictModel):
+    source: Literal["sklearn-digits", "parquet"] = Field(
+        "sklearn-digits",
+        description="Where the data comes from. 'sklearn-digits' is materialised to Parquet by "
+        "`raylane prepare` (or on first use); 'parquet' reads existing files you provide.",
+    )
+    train_path: Path = Field(
+        Path("data/digits/train.parquet"),
+        description="Parquet file or directory with the training rows (relative to the "
+        "working directory).",
+    )
+    validation_path: Path = Field(
+        Path("data/digits/validation.parquet"),
+        description="Parquet file or directory with the validation rows.",
+    )
+    features_column: str = Field(
+        "features", description="Column holding each row's features as a list of numbers."
+    )
+    label_column: str = Field("label", description="Column holding the integer class label.")
+    validation_fraction: float = Field(
+        0.2,
+        gt=0.0,
+        lt=1.0,
+        description="Share of rows held out for validation when preparing a built-in dataset.",
+    )
+    split_seed: int = Field(
+        0, description="Seed of the deterministic train/validation split of a built-in dataset."
+    )
+    cache: bool = Field(
+        True,
+        description="Materialise both splits in Ray's object store once, instead of re-reading "
+        "Parquet every epoch. Turn off for datasets larger than the object store.",
+    )
+
+
+class ModelConfig(StrictModel):
+    kind: Literal["mlp", "cnn"] = Field(
+        "mlp",
+        description="Architecture: 'mlp' (fully connected) or 'cnn' (convolutions over a square "
+        "image; more compute per parameter).",
+    )
+    input_dim: int = Field(DIGITS_FEATURES, ge=1, description="Number of input features per row.")
+    num_classes: int = Field(DIGITS_CLASSES, ge=2, description="Number of output classes.")
+    hidden_sizes: list[int] = Field(
+        default_factory=lambda: [128, 128],
+        min_length=1,
+        description="MLP: width of each hidden layer. CNN: channels of each conv layer.",
+    )
+    input_scale: float = Field(
+        16.0,
+        gt=0.0,
+        description="Inputs are divided by this inside the model, so clients send raw values "
+        "(digits pixels are 0-16).",
+    )
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> ModelConfig:
+        if any(h < 1 for h in self.hidden_sizes):
+            raise ValueError("every entry of hidden_sizes must be at least 1")
+        if self.kind == "cnn" and math.isqrt(self.input_dim) ** 2 != self.input_dim:
+            raise ValueError(
+                f"kind 'cnn' needs a square image, but input_dim={self.input_dim} is not a "
+                "perfect square"
+            )
+        return self
+
+
+class TrainingConfig(StrictModel):
+    epochs: int = Field(10, ge=1, description="Passes over the training data.")
+    batch_size: int = Field(64, ge=1, description="Rows per step on each worker.")
+    lr: float = Field(2e-3, gt=0.0, description="Learning rate of the AdamW optimizer.")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    seed: int = Field(0, description="Seed for weights, shuffling and everything random.")
+    storage_path: Path = Field(
+        Path("runs"), description="Where Ray Train keeps run state and checkpoints."
+    )
+    checkpoints_to_keep: int = Field(
+        2, ge=1, description="How many per-epoch checkpoints to keep (newest first)."
+    )
+    max_failures: int = Field(
+        0,
+        ge=-1,
+        description="Worker-group failures to recover from by restarting from the last "
+        "checkpoint (-1: unlimited).",
+    )
+
+
+class ParallelismConfig(StrictModel):
+    strategy: Literal["ddp"] = Field(
+        "ddp",
+        description="How the model is parallelised. 'ddp': data parallel "
+        "(DistributedDataParallel).",
+    )
+    workers: int = Field(2, ge=1, description="Ray Train workers (processes) in the job.")
+    resources_per_worker: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 0.5},
+        description="Ray resources each worker reserves. Keep CPU below 1 on small machines so "
+        "Ray Data's read tasks can still be scheduled next to the workers.",
+    )
+    use_gpu: bool = Field(False, description="One GPU per worker; NCCL instead of gloo.")
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads per worker. Default: the machine's cores divided "
+        "by the workers, at least 1, so workers do not oversubscribe cores.",
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement strategy of the worker group."
+    )
+
+    @model_validator(mode="after")
+    def _check_resources(self) -> ParallelismConfig:
+        for name, amount in self.resources_per_worker.items():
+            if amount < 0:
+                raise ValueError(f"resources_per_worker.{name} must not be negative")
+        if self.use_gpu and self.resources_per_worker.get("GPU", 1) == 0:
+            raise ValueError("use_gpu is true but resources_per_worker.GPU is 0")
+        return self
+
+
+class TrackingConfig(StrictModel):
+    tracking_uri: str | None = Field(
+        None,
+        description="MLflow tracking URI. Default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db "
+        "in the working directory (what `mlflow ui` opens).",
+    )
+    registered_model: str = Field(
+        "raylane-digits", min_length=1, description="Model Registry name for trained models."
+    )
+    champion_alias: str = Field(
+        "champion", min_length=1, description="Alias that marks the best version; serving loads it."
+    )
+    champion_metric: str = Field(
+        "val_accuracy",
+        description="Validation metric (higher is better) that decides whether a new version "
+        "takes the champion alias.",
+    )
+
+
+class AutoscalingConfig(StrictModel):
+    min_replicas: int = Field(1, ge=0, description="Fewest model replicas.")
+    max_replicas: int = Field(2, ge=1, description="Most model replicas.")
+    target_ongoing_requests: float = Field(
+        8.0, gt=0, description="Requests in flight per replica that autoscaling aims for."
+    )
+    upscale_delay_s: float = Field(5.0, ge=0, description="Seconds of high load before adding.")
+    downscale_delay_s: float = Field(30.0, ge=0, description="Seconds of low load before removing.")
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) is larger than max_replicas "
+                f"({self.max_replicas})"
+            )
+        return self
+
+
+class ServingConfig(StrictModel):
+    host: str = Field(
+        "127.0.0.1",
+        description="Address the HTTP proxy binds. Anything else is an explicit choice.",
+    )
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port of the endpoint.")
+    model_name: str = Field(
+        "digits",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="Name in the endpoint's URLs: /v2/models/{model_name}/infer.",
+    )
+    max_batch_size: int = Field(32, ge=1, description="Most requests merged into one forward.")
+    batch_wait_timeout_s: float = Field(
+        0.01, ge=0, description="How long a batch waits to fill before it runs anyway."
+    )
+    replica_cpus: float = Field(0.5, gt=0, description="CPUs each model replica reserves.")
+    max_ongoing_requests: int = Field(
+        64, ge=1, description="Requests a replica accepts at once (should exceed max_batch_size)."
+    )
+    autoscaling: AutoscalingConfig = Field(
+        default_factory=AutoscalingConfig, description="Replica autoscaling."
+    )
+
+    @model_validator(mode="after")
+    def _check_batching(self) -> ServingConfig:
+        if self.max_ongoing_requests < self.max_batch_size:
+            raise ValueError(
+                f"max_ongoing_requests ({self.max_ongoing_requests}) is smaller than "
+                f"max_batch_size ({self.max_batch_size}): batches could never fill"
+            )
+        return self
+
+
+class RaylaneConfig(StrictModel):
+    experiment: str = Field(
+        ..., min_length=1, description="MLflow experiment (and Ray Train run name prefix)."
+    )
+    data: DataConfig = Field(default_factory=DataConfig, description="Dataset.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Model architecture.")
+    training: TrainingConfig = Field(default_factory=TrainingConfig, description="Optimisation.")
+    parallelism: ParallelismConfig = Field(
+        default_factory=ParallelismConfig, description="Parallelism strategy and worker group."
+    )
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow.")
+    serving: ServingConfig = Field(default_factory=ServingConfig, description="Ray Serve endpoint.")
+
+    @model_validator(mode="after")
+    def _check_dataset_matches_model(self) -> RaylaneConfig:
+        if self.data.source == "sklearn-digits":
+            if self.model.input_dim != DIGITS_FEATURES:
+                raise ValueError(
+                    f"model.input_dim is {self.model.input_dim} but sklearn-digits rows have "
+                    f"{DIGITS_FEATURES} features"
+                )
+            if self.model.num_classes != DIGITS_CLASSES:
+                raise ValueError(
+                    f"model.num_classes is {self.model.num_classes} but sklearn-digits has "
+                    f"{DIGITS_CLASSES} classes"
+                )
+        return self

@@ -1,0 +1,61 @@
+"""Classifiers over fixed-width feature rows (the digits model and its compute-heavier twin)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from raylane.config import ModelConfig
+
+
+class MLPClassifier(nn.Module):
+    """Fully connected classifier; divides inputs by `input_scale` so clients send raw values."""
+
+    def __init__(
+        self, input_dim: int, hidden_sizes: list[int], num_classes: int, input_scale: float
+    ):
+        super().__init__()
+        self.input_scale = input_scale
+        layers: list[nn.Module] = []
+        width = input_dim
+        for hidden in hidden_sizes:
+            layers += [nn.Linear(width, hidden), nn.ReLU()]
+            width = hidden
+        layers.append(nn.Linear(width, num_classes))
+        self.net = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x / self.input_scale)
+
+
+class ConvClassifier(nn.Module):
+    """3x3 convolutions over a square image given as a flat row, then global pooling.
+
+    Convolutions do far more compute per parameter than linear layers, so data-parallel
+    scaling is limited by compute rather than by the gradient all-reduce.
+    """
+
+    def __init__(self, input_dim: int, channels: list[int], num_classes: int, input_scale: float):
+        super().__init__()
+        self.input_scale = input_scale
+        self.side = math.isqrt(input_dim)
+        layers: list[nn.Module] = []
+        in_channels = 1
+        for out_channels in channels:
+            layers += [nn.Conv2d(in_channels, out_channels, 3, padding=1), nn.ReLU()]
+            in_channels = out_channels
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(in_channels, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        image = (x / self.input_scale).reshape(-1, 1, self.side, self.side)
+        return self.head(self.features(image).mean(dim=(2, 3)))
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    """The configured architecture with freshly initialised weights (seed before calling)."""
+    if cfg.kind == "cnn":
+        return ConvClassifier(cfg.input_dim, cfg.hidden_sizes, cfg.num_classes, cfg.input_scale)
+    return MLPClassifier(cfg.input_dim, cfg.hidden_sizes, cfg.num_classes, cfg.input_scale)

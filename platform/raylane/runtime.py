@@ -1,0 +1,35 @@
+"""Connecting to Ray: an address from $RAY_ADDRESS (a cluster) or a local Ray started here."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+
+def connect_ray(address: str | None = None) -> bool:
+    """Connect to the cluster at `address` / $RAY_ADDRESS, else start a local Ray.
+
+    Returns True when this call started Ray (the caller then owns `ray.shutdown()`).
+    Ray 2.60 turns token authentication on for local clusters: a local start writes
+    ~/.ray/auth_token, and clients of a `ray start` cluster need RAY_AUTH_MODE=token and that
+    token (see the README). Inside a `ray job submit` job, RAY_ADDRESS is set by Ray itself.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    ray.init(
+        address=address,
+        logging_level=logging.WARNING,
+        # A job's own code travels with it; the driver only needs its working directory.
+        ignore_reinit_error=True,
+    )
+    return address is None
+
+
+def disconnect_ray(started_here: bool) -> None:
+    import ray
+
+    if started_here and ray.is_initialized():
+        ray.shutdown()

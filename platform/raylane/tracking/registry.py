@@ -1,0 +1,66 @@
+"""Model Registry: the champion alias moves only to a version that beats it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+
+@dataclass(frozen=True)
+class PromotionDecision:
+    version: int
+    promoted: bool
+    score: float
+    previous_version: int | None
+    previous_score: float | None
+
+    def describe(self, name: str, alias: str) -> str:
+        if self.previous_version is None:
+            return f"{name} v{self.version} is the first {alias} ({self.score:.4f})"
+        verdict = "takes" if self.promoted else "does not take"
+        return (
+            f"{name} v{self.version} ({self.score:.4f}) {verdict} the {alias} alias from "
+            f"v{self.previous_version} ({self.previous_score:.4f})"
+        )
+
+
+def champion_version(client: MlflowClient, name: str, alias: str):
+    """The version holding `alias`, or None when no version does (or the model is missing)."""
+    try:
+        return client.get_model_version_by_alias(name, alias)
+    except MlflowException:
+        return None
+
+
+def version_score(client: MlflowClient, version, metric: str) -> float | None:
+    """A version's score: its tag if set, else the metric of the run that produced it."""
+    if metric in (version.tags or {}):
+        return float(version.tags[metric])
+    if version.run_id:
+        value = client.get_run(version.run_id).data.metrics.get(metric)
+        return None if value is None else float(value)
+    return None
+
+
+def register_if_better(
+    client: MlflowClient, name: str, version: int, score: float, alias: str, metric: str
+) -> PromotionDecision:
+    """Tag `version` with its score and give it `alias` if it beats the current holder.
+
+    The first version becomes champion. Ties keep the current champion.
+    """
+    client.set_model_version_tag(name, str(version), metric, f"{score:.6f}")
+    current = champion_version(client, name, alias)
+    previous_score = None if current is None else version_score(client, current, metric)
+    promoted = current is None or previous_score is None or score > previous_score
+    if promoted:
+        client.set_registered_model_alias(name, alias, str(version))
+    return PromotionDecision(
+        version=int(version),
+        promoted=promoted,
+        score=score,
+        previous_version=None if current is None else int(current.version),
+        previous_score=previous_score,
+    )

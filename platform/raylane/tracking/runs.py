@@ -1,0 +1,93 @@
+"""MLflow runs of training jobs: params, config, cluster snapshot, datasets, metrics, model."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import mlflow
+import numpy as np
+from mlflow.entities import Metric
+from mlflow.tracking import MlflowClient
+from torch import nn
+
+from raylane.config import RaylaneConfig
+from raylane.config.loader import config_to_yaml, flatten
+
+CONFIG_ARTIFACT = "config/resolved.yaml"
+SNAPSHOT_ARTIFACT = "cluster/snapshot.json"
+
+
+def log_run_context(cfg: RaylaneConfig, snapshot: dict[str, Any], dataset_digest: str) -> None:
+    """Into the active run: flattened params, resolved config, cluster snapshot, dataset inputs."""
+    params = {k: str(v)[:500] for k, v in flatten(cfg.model_dump(mode="json")).items()}
+    mlflow.log_params(params)
+    mlflow.log_text(config_to_yaml(cfg), CONFIG_ARTIFACT)
+    mlflow.log_dict(snapshot, SNAPSHOT_ARTIFACT)
+    code = snapshot["code"]
+    mlflow.set_tags(
+        {
+            "raylane.strategy": cfg.parallelism.strategy,
+            "raylane.workers": str(cfg.parallelism.workers),
+            "raylane.nodes": str(len(snapshot["nodes"])),
+            "raylane.dataset_digest": dataset_digest,
+            "raylane.seed": str(cfg.training.seed),
+            "mlflow.source.git.commit": code["git_commit"] or "unknown",
+            "raylane.git_dirty": str(code["git_dirty"]),
+        }
+    )
+    _log_dataset_inputs(cfg, dataset_digest)
+
+
+def _log_dataset_inputs(cfg: RaylaneConfig, digest: str) -> None:
+    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.meta_dataset import MetaDataset
+
+    from raylane.data.parquet import dataset_digest
+
+    for context, path in (
+        ("training", cfg.data.train_path),
+        ("validation", cfg.data.validation_path),
+    ):
+        source = resolve_dataset_source(str(Path(path).resolve()))
+        dataset = MetaDataset(
+            source=source, name=f"{cfg.data.source}-{context}", digest=dataset_digest(Path(path))
+        )
+        mlflow.log_input(dataset, context=context, tags={"raylane.dataset_digest": digest})
+
+
+class EpochLogger:
+    """Logs per-epoch metrics into an existing run from a Ray Train worker (rank 0)."""
+
+    def __init__(self, tracking_uri: str, run_id: str):
+        self._client = MlflowClient(tracking_uri=tracking_uri)
+        self._run_id = run_id
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        now = int(time.time() * 1000)
+        self._client.log_batch(
+            self._run_id,
+            metrics=[
+                Metric(key, float(value), now, step)
+                for key, value in metrics.items()
+                if key != "epoch"
+            ],
+        )
+
+
+def log_trained_model(model: nn.Module, cfg: RaylaneConfig, example: np.ndarray):
+    """Log the model (with signature and input example) and register a new version of it."""
+    import torch
+    from mlflow.models import infer_signature
+
+    model = model.eval()
+    with torch.no_grad():
+        output = model(torch.from_numpy(example)).numpy()
+    return mlflow.pytorch.log_model(
+        model,
+        name="model",
+        input_example=example,
+        signature=infer_signature(example, output),
+        registered_model_name=cfg.tracking.registered_model,
+    )

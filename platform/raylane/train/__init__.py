@@ -1,0 +1,1 @@
+"""Ray Train jobs: the per-worker loop, the trainer builder, and the driver-side job."""

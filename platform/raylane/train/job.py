@@ -1,0 +1,130 @@
+"""A training job as the driver runs it: data check, MLflow run, Ray Train fit, registry."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+from raylane.config import RaylaneConfig
+
+log = logging.getLogger("raylane")
+
+
+@dataclass(frozen=True)
+class TrainingOutcome:
+    run_id: str
+    experiment_id: str
+    tracking_uri: str
+    metrics: dict
+    checkpoint_path: str
+    model_uri: str
+    model_version: int
+    promoted: bool
+    promotion: str
+
+
+def new_run_name(experiment: str) -> str:
+    return f"{experiment}-{datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
+
+
+def _validation_example(cfg: RaylaneConfig, rows: int = 5) -> np.ndarray:
+    import pyarrow.parquet as pq
+
+    from raylane.data.parquet import parquet_files
+
+    table = pq.read_table(
+        parquet_files(cfg.data.validation_path)[0], columns=[cfg.data.features_column]
+    ).slice(0, rows)
+    return np.stack(table.column(0).to_numpy(zero_copy_only=False)).astype(np.float32)
+
+
+def _final_model(cfg: RaylaneConfig, checkpoint):
+    from raylane.models import build_model
+    from raylane.train.checkpointing import load_model_state
+
+    model = build_model(cfg.model)
+    with checkpoint.as_directory() as directory:
+        model.load_state_dict(load_model_state(Path(directory)))
+    return model.eval()
+
+
+def run_training(cfg: RaylaneConfig) -> TrainingOutcome:
+    """Run one training job end to end and return where its results are.
+
+    Everything that can fail cheaply (data, tracking store) is checked before Ray starts.
+    """
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from raylane.data import dataset_digest, ensure_dataset
+    from raylane.data.ray_datasets import read_datasets
+    from raylane.runtime import connect_ray
+    from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
+    from raylane.tracking.cluster import snapshot_cluster
+    from raylane.tracking.registry import register_if_better
+    from raylane.tracking.runs import log_run_context, log_trained_model
+    from raylane.train.trainer import build_trainer
+
+    train_info, val_info = ensure_dataset(cfg)
+    log.info("data: %d training rows, %d validation rows", train_info.rows, val_info.rows)
+    tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
+    check_tracking_reachable(tracking_uri)
+    digest = dataset_digest(cfg.data.train_path, cfg.data.validation_path)
+
+    connect_ray()
+    mlflow.set_tracking_uri(tracking_uri)
+    experiment = mlflow.set_experiment(cfg.experiment)
+    run_name = new_run_name(cfg.experiment)
+    with mlflow.start_run(run_name=run_name) as run:
+        log.info("MLflow run %s in %s", run.info.run_id, tracking_uri)
+        log_run_context(cfg, snapshot_cluster(cfg), digest)
+        trainer = build_trainer(
+            cfg,
+            read_datasets(cfg),
+            run_name,
+            {"tracking_uri": tracking_uri, "run_id": run.info.run_id},
+        )
+        log.info(
+            "training: %s, %d workers, %d epochs",
+            cfg.parallelism.strategy,
+            cfg.parallelism.workers,
+            cfg.training.epochs,
+        )
+        result = trainer.fit()
+        if result.checkpoint is None:
+            raise RuntimeError(f"run {run_name} ended without a checkpoint")
+        metrics = {k: v for k, v in result.metrics.items() if isinstance(v, int | float)}
+        mlflow.set_tag("raylane.checkpoint", result.checkpoint.path)
+
+        log.info("logging and registering the model as %s", cfg.tracking.registered_model)
+        model_info = log_trained_model(
+            _final_model(cfg, result.checkpoint), cfg, _validation_example(cfg)
+        )
+        score = float(metrics[cfg.tracking.champion_metric])
+        decision = register_if_better(
+            MlflowClient(),
+            cfg.tracking.registered_model,
+            model_info.registered_model_version,
+            score,
+            cfg.tracking.champion_alias,
+            cfg.tracking.champion_metric,
+        )
+        promotion = decision.describe(cfg.tracking.registered_model, cfg.tracking.champion_alias)
+        mlflow.set_tag("raylane.promotion", promotion)
+        log.info(promotion)
+    return TrainingOutcome(
+        run_id=run.info.run_id,
+        experiment_id=experiment.experiment_id,
+        tracking_uri=tracking_uri,
+        metrics=metrics,
+        checkpoint_path=result.checkpoint.path,
+        model_uri=model_info.model_uri,
+        model_version=decision.version,
+        promoted=decision.promoted,
+        promotion=promotion,
+    )

@@ -1,0 +1,52 @@
+"""Build a Ray Train `TorchTrainer` from a validated config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from raylane.config import RaylaneConfig
+
+
+def build_trainer(cfg: RaylaneConfig, datasets: dict, run_name: str, loop_config: dict[str, Any]):
+    """A TorchTrainer for `cfg`: worker group, datasets, storage, failure and checkpoint policy.
+
+    `run_name` must be unique per run: Ray Train resumes a run whose name already exists.
+    """
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from raylane.train.loop import train_loop_per_worker
+
+    par = cfg.parallelism
+    resources = dict(par.resources_per_worker)
+    if par.use_gpu:
+        resources.setdefault("GPU", 1)
+    return TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"config": cfg.model_dump(mode="json"), **loop_config},
+        torch_config=TorchConfig(backend="nccl" if par.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(
+            num_workers=par.workers,
+            use_gpu=par.use_gpu,
+            resources_per_worker=resources,
+            placement_strategy=par.placement_strategy,
+        ),
+        run_config=RunConfig(
+            name=run_name,
+            storage_path=str(Path(cfg.training.storage_path).resolve()),
+            failure_config=FailureConfig(max_failures=cfg.training.max_failures),
+            checkpoint_config=CheckpointConfig(num_to_keep=cfg.training.checkpoints_to_keep),
+        ),
+        datasets=datasets,
+        # Keep row order stable so a seeded CPU run repeats exactly.
+        dataset_config=DataConfig(execution_options=_ordered_ingest_options()),
+    )
+
+
+def _ordered_ingest_options():
+    from ray.train import DataConfig
+
+    options = DataConfig.default_ingest_options()
+    options.preserve_order = True
+    return options
