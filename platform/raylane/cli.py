@@ -1,0 +1,196 @@
+"""The `raylane` command line: prepare, train, deploy, quickstart."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.table import Table
+
+from raylane.config import ConfigError, RaylaneConfig, load_config
+
+DEFAULT_CONFIG = Path("configs/train/digits_ddp.yaml")
+
+app = typer.Typer(
+    help="raylane: parallel training on Ray Train, runs and models in MLflow, serving on Ray "
+    "Serve.\n\nExample: raylane train --config configs/train/digits_ddp.yaml --set "
+    "training.epochs=3",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+
+ConfigOption = Annotated[
+    Path, typer.Option("--config", "-c", help="Run config YAML (see configs/).")
+]
+SetOption = Annotated[
+    list[str] | None,
+    typer.Option("--set", "-s", help="Override a field: --set training.epochs=3 (repeatable)."),
+]
+
+
+def _setup_logging() -> None:
+    handler = RichHandler(console=console, show_path=False, markup=False)
+    logger = logging.getLogger("raylane")
+    logger.handlers[:] = [handler]
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
+def _fail(message: str, code: int = 2) -> typer.Exit:
+    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(code)
+
+
+def _load(config: Path, overrides: list[str] | None) -> RaylaneConfig:
+    try:
+        return load_config(config, overrides or [])
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    from raylane.data import DataError
+    from raylane.inference import ModelNotFoundError
+    from raylane.tracking import TrackingError
+
+    return (ConfigError, DataError, ModelNotFoundError, TrackingError)
+
+
+@app.command()
+def validate(config: ConfigOption = DEFAULT_CONFIG, overrides: SetOption = None) -> None:
+    """Check a config and print it fully resolved (defaults filled in)."""
+    from raylane.config.loader import config_to_yaml
+
+    cfg = _load(config, overrides)
+    sys.stdout.write(config_to_yaml(cfg))
+
+
+@app.command()
+def prepare(config: ConfigOption = DEFAULT_CONFIG, overrides: SetOption = None) -> None:
+    """Materialise the config's dataset as Parquet (train and validation splits)."""
+    from raylane.data import DataError, ensure_dataset
+
+    cfg = _load(config, overrides)
+    try:
+        train, validation = ensure_dataset(cfg)
+    except DataError as exc:
+        raise _fail(str(exc)) from None
+    console.print(f"train: {train.rows} rows at {train.path}")
+    console.print(f"validation: {validation.rows} rows at {validation.path}")
+
+
+@app.command()
+def train(config: ConfigOption = DEFAULT_CONFIG, overrides: SetOption = None) -> None:
+    """Train with the config's parallelism strategy on Ray Train; track and register in MLflow."""
+    _setup_logging()
+    cfg = _load(config, overrides)
+    from raylane.runtime import connect_ray, disconnect_ray
+    from raylane.train.job import run_training
+
+    started = False
+    try:
+        started = connect_ray()
+        outcome = run_training(cfg)
+    except _user_errors() as exc:
+        raise _fail(str(exc)) from None
+    finally:
+        disconnect_ray(started)
+    _print_outcome(cfg, outcome)
+
+
+def _print_outcome(cfg: RaylaneConfig, outcome) -> None:
+    table = Table(title=f"{cfg.experiment}: run {outcome.run_id}", show_header=False)
+    for key in ("train_loss", "val_loss", "val_accuracy", "train_samples_per_s"):
+        table.add_row(key, f"{outcome.metrics.get(key, float('nan')):.4f}")
+    table.add_row("model", f"{cfg.tracking.registered_model} v{outcome.model_version}")
+    table.add_row("registry", outcome.promotion)
+    table.add_row("checkpoint", outcome.checkpoint_path)
+    table.add_row("tracking", outcome.tracking_uri)
+    console.print(table)
+
+
+@app.command()
+def deploy(
+    config: ConfigOption = DEFAULT_CONFIG,
+    overrides: SetOption = None,
+    detach: Annotated[
+        bool, typer.Option(help="Return once deployed, leaving the app on the cluster.")
+    ] = False,
+) -> None:
+    """Serve the champion model over the Open Inference Protocol (blocks until Ctrl-C)."""
+    _setup_logging()
+    cfg = _load(config, overrides)
+    from raylane.runtime import connect_ray, disconnect_ray
+    from raylane.serving.app import deploy as deploy_app
+
+    if detach and not _cluster_address():
+        raise _fail("--detach needs a running cluster (set RAY_ADDRESS); a local Ray ends with us")
+    started = connect_ray()
+    try:
+        url = deploy_app(cfg)
+        console.print(f"endpoint: {url}/v2/models/{cfg.serving.model_name}/infer  docs: {url}/docs")
+        if not detach:
+            _block_until_interrupted()
+    except _user_errors() as exc:
+        raise _fail(str(exc)) from None
+    finally:
+        if not detach:
+            _shutdown_serve()
+        disconnect_ray(started)
+
+
+def _cluster_address() -> str | None:
+    import os
+
+    return os.environ.get("RAY_ADDRESS")
+
+
+def _block_until_interrupted() -> None:
+    import time
+
+    console.print("serving; press Ctrl-C to stop")
+    try:
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        console.print("stopping")
+
+
+def _shutdown_serve() -> None:
+    import ray
+    from ray import serve
+
+    if ray.is_initialized():
+        serve.shutdown()
+
+
+@app.command()
+def quickstart(
+    config: ConfigOption = DEFAULT_CONFIG,
+    overrides: SetOption = None,
+    requests: Annotated[int, typer.Option(min=1, max=100, help="Rows to send.")] = 10,
+) -> None:
+    """Prepare, train (DDP), register, deploy, query the endpoint over HTTP, shut down."""
+    from raylane.quickstart import run_quickstart
+
+    _setup_logging()
+    cfg = _load(config, overrides)
+    try:
+        run_quickstart(cfg, rows=requests, console=console)
+    except _user_errors() as exc:
+        raise _fail(str(exc)) from None
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

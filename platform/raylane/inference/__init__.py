@@ -1,0 +1,5 @@
+"""Inference logic, separate from any serving framework: load a registered model, predict."""
+
+from raylane.inference.predictor import ModelNotFoundError, Predictor
+
+__all__ = ["ModelNotFoundError", "Predictor"]

@@ -1,0 +1,90 @@
+"""The whole path once: prepare -> train -> register -> deploy -> HTTP inference -> shut down."""
+
+from __future__ import annotations
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from raylane.config import RaylaneConfig
+
+
+def _validation_rows(cfg: RaylaneConfig, count: int) -> tuple[np.ndarray, np.ndarray]:
+    import pyarrow.parquet as pq
+
+    from raylane.data.parquet import parquet_files
+
+    columns = [cfg.data.features_column, cfg.data.label_column]
+    table = pq.read_table(parquet_files(cfg.data.validation_path), columns=columns)
+    table = table.slice(0, count)
+    features = np.stack(table.column(0).to_numpy(zero_copy_only=False)).astype(np.float32)
+    return features, table.column(1).to_numpy()
+
+
+def query_endpoint(url: str, model_name: str, rows: np.ndarray) -> tuple[list[int], str]:
+    """Send rows over real HTTP to the v2 infer route; return predicted labels and version."""
+    import httpx
+
+    body = {
+        "id": "quickstart",
+        "inputs": [
+            {
+                "name": "features",
+                "shape": list(rows.shape),
+                "datatype": "FP32",
+                "data": rows.reshape(-1).tolist(),
+            }
+        ],
+    }
+    response = httpx.post(f"{url}/v2/models/{model_name}/infer", json=body, timeout=30)
+    if response.status_code != 200:
+        raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:300]}")
+    payload = response.json()
+    labels = next(o for o in payload["outputs"] if o["name"] == "label")["data"]
+    return labels, payload["model_version"]
+
+
+def run_quickstart(cfg: RaylaneConfig, rows: int, console: Console) -> None:
+    from ray import serve
+
+    from raylane.data import ensure_dataset
+    from raylane.runtime import connect_ray, disconnect_ray
+    from raylane.serving.app import deploy
+    from raylane.train.job import run_training
+
+    console.rule("[1/4] prepare data")
+    train_info, val_info = ensure_dataset(cfg)
+    console.print(f"{train_info.rows} training and {val_info.rows} validation rows (Parquet)")
+    started = connect_ray()
+    try:
+        console.rule(f"[2/4] train ({cfg.parallelism.strategy}, {cfg.parallelism.workers} workers)")
+        outcome = run_training(cfg)
+        console.print(
+            f"val_accuracy {outcome.metrics['val_accuracy']:.4f}; {outcome.promotion}",
+            highlight=False,
+        )
+        console.rule("[3/4] deploy the champion on Ray Serve")
+        url = deploy(cfg)
+        console.rule("[4/4] inference over HTTP")
+        features, truth = _validation_rows(cfg, rows)
+        predicted, version = query_endpoint(url, cfg.serving.model_name, features)
+        table = Table(title=f"{url}/v2/models/{cfg.serving.model_name}/infer (version {version})")
+        table.add_column("row", justify="right")
+        table.add_column("predicted", justify="right")
+        table.add_column("true label", justify="right")
+        for index, (guess, label) in enumerate(zip(predicted, truth, strict=True)):
+            mark = "" if guess == label else " [red]x[/]"
+            table.add_row(str(index), f"{guess}{mark}", str(label))
+        console.print(table)
+        correct = sum(int(g == t) for g, t in zip(predicted, truth, strict=True))
+        console.print(f"{correct}/{len(truth)} correct", highlight=False)
+        console.print(f"endpoint (while deployed): {url}  OpenAPI: {url}/docs", highlight=False)
+        console.print(f"MLflow UI: mlflow ui --backend-store-uri {outcome.tracking_uri}")
+        console.print(f"run: {outcome.run_id}  checkpoint: {outcome.checkpoint_path}")
+    finally:
+        console.rule("shutting down")
+        import ray
+
+        if ray.is_initialized():
+            serve.shutdown()
+        disconnect_ray(started)

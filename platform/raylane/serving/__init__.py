@@ -1,0 +1,1 @@
+"""The Ray Serve application: OIP v2 REST ingress in front of a batched model deployment."""

@@ -1,0 +1,148 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from raylane.config import ConfigError, RaylaneConfig, load_config, parse_overrides
+from raylane.config.loader import config_to_yaml, flatten
+
+ROOT = Path(__file__).resolve().parents[2]
+TRAIN_CONFIGS = sorted((ROOT / "configs" / "train").glob("*.yaml"))
+REFERENCE = ROOT / "configs" / "train" / "digits_ddp.yaml"
+
+
+@pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_config_validates(path):
+    cfg = load_config(path)
+    assert cfg.experiment
+
+
+def test_reference_config_is_shipped():
+    assert REFERENCE in TRAIN_CONFIGS
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(
+        REFERENCE,
+        ["training.epochs=3", "model.hidden_sizes=[32, 16]", "parallelism.use_gpu=false"],
+    )
+    assert cfg.training.epochs == 3
+    assert cfg.model.hidden_sizes == [32, 16]
+
+
+def test_resolved_yaml_round_trips(tmp_path):
+    cfg = load_config(REFERENCE, ["training.lr=0.01"])
+    out = tmp_path / "resolved.yaml"
+    out.write_text(config_to_yaml(cfg))
+    assert load_config(out) == cfg
+    assert flatten(cfg.model_dump(mode="json"))["serving.autoscaling.max_replicas"] == 2
+
+
+def _write(tmp_path, tree) -> Path:
+    path = tmp_path / "bad.yaml"
+    path.write_text(tree if isinstance(tree, str) else yaml.safe_dump(tree))
+    return path
+
+
+def _reference_tree():
+    return yaml.safe_load(REFERENCE.read_text())
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (lambda t: t["training"].update(bogus=1), "training.bogus: unknown key"),
+        (lambda t: t["training"].update(epochs="many"), "training.epochs: Input should be"),
+        (lambda t: t["training"].update(epochs=0), "training.epochs: Input should be greater"),
+        (lambda t: t.update(extras={}), "extras: unknown key"),
+        (lambda t: t.pop("experiment"), "experiment: Field required"),
+        (
+            lambda t: t["serving"]["autoscaling"].update(min_replicas=3, max_replicas=1),
+            "serving.autoscaling: min_replicas (3) is larger than max_replicas (1)",
+        ),
+        (
+            lambda t: t["serving"].update(max_batch_size=128, max_ongoing_requests=16),
+            "serving: max_ongoing_requests (16) is smaller than max_batch_size (128)",
+        ),
+        (
+            lambda t: t["model"].update(input_dim=32),
+            "model.input_dim is 32 but sklearn-digits rows have 64 features",
+        ),
+        (
+            lambda t: t["model"].update(kind="cnn", input_dim=60),
+            "input_dim=60 is not a perfect square",
+        ),
+        (lambda t: t["parallelism"].update(strategy="zero3"), "parallelism.strategy: Input should"),
+        (
+            lambda t: t["parallelism"].update(resources_per_worker={"CPU": -1}),
+            "resources_per_worker.CPU must not be negative",
+        ),
+    ],
+)
+def test_bad_config_gives_one_line_naming_file_and_field(tmp_path, mutate, expected):
+    tree = _reference_tree()
+    mutate(tree)
+    path = _write(tmp_path, tree)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    message = str(info.value)
+    assert message.startswith(str(path))
+    assert expected in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("training: [unclosed", "not valid YAML at line 1"), ("- a\n- b\n", "expected a mapping")],
+)
+def test_unparseable_files(tmp_path, text, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(_write(tmp_path, text))
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match="nope.yaml: config file not found"):
+        load_config("nope.yaml")
+
+
+@pytest.mark.parametrize("item", ["training.epochs", "=3", "training..epochs=3"])
+def test_malformed_overrides(item):
+    with pytest.raises(ConfigError, match="expected KEY.PATH=VALUE"):
+        parse_overrides([item])
+
+
+def test_override_into_a_scalar_is_refused():
+    with pytest.raises(ConfigError, match="'training.epochs' is not a section"):
+        load_config(REFERENCE, ["training.epochs.x=1"])
+
+
+def test_every_field_is_described():
+    def walk(model):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{model.__name__}.{name} has no description"
+            annotation = field.annotation
+            if isinstance(annotation, type) and issubclass(annotation, RaylaneConfig.__base__):
+                walk(annotation)
+
+    walk(RaylaneConfig)
+
+
+def test_cli_reports_bad_config_in_one_line_without_traceback(tmp_path):
+    tree = _reference_tree()
+    tree["training"]["epochs"] = "many"
+    path = _write(tmp_path, tree)
+    result = subprocess.run(
+        [sys.executable, "-m", "raylane.cli", "train", "--config", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert str(path) in lines[0] and "training.epochs" in lines[0]
+    assert "Traceback" not in result.stderr
+    assert "ray" not in result.stderr.lower().replace("raylane", "")
