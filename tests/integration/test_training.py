@@ -1,0 +1,118 @@
+"""The reference DDP job through Ray Train, tracked and registered in a real MLflow store."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import mlflow
+import numpy as np
+import pytest
+from mlflow.tracking import MlflowClient
+
+from raylane.config import load_config
+from raylane.train.job import run_training
+
+from .conftest import REFERENCE
+
+
+@pytest.fixture(scope="module")
+def client(workspace):
+    return MlflowClient(tracking_uri=workspace.tracking_uri)
+
+
+def test_ddp_run_learns(trained, client):
+    cfg, outcome = trained
+    assert outcome.metrics["val_accuracy"] >= 0.9
+    history = client.get_metric_history(outcome.run_id, "train_loss")
+    assert [m.step for m in history] == list(range(cfg.training.epochs))
+    assert history[-1].value < 0.5 * history[0].value
+    val_loss = [m.value for m in client.get_metric_history(outcome.run_id, "val_loss")]
+    assert val_loss[-1] < val_loss[0]
+    throughput = client.get_metric_history(outcome.run_id, "train_samples_per_s")
+    assert all(m.value > 0 for m in throughput)
+
+
+def test_run_records_params_config_cluster_and_dataset(trained, client):
+    cfg, outcome = trained
+    run = client.get_run(outcome.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["parallelism.workers"] == "2"
+    assert run.data.params["training.epochs"] == str(cfg.training.epochs)
+    assert run.data.params["tracking.registered_model"] == cfg.tracking.registered_model
+
+    artifacts = {a.path for a in client.list_artifacts(outcome.run_id, "config")}
+    assert "config/resolved.yaml" in artifacts
+    resolved = load_config(Path(client.download_artifacts(outcome.run_id, "config/resolved.yaml")))
+    assert resolved == cfg
+
+    snapshot = json.loads(
+        Path(client.download_artifacts(outcome.run_id, "cluster/snapshot.json")).read_text()
+    )
+    import ray
+    import torch
+
+    assert snapshot["versions"]["ray"] == ray.__version__
+    assert snapshot["versions"]["torch"] == torch.__version__
+    assert snapshot["nodes"] and snapshot["nodes"][0]["cpus"] == 4.0
+    assert snapshot["cluster_resources"]["CPU"] == 4.0
+    assert snapshot["run"] == {
+        "seed": 0,
+        "strategy": "ddp",
+        "workers": 2,
+        "resources_per_worker": {"CPU": 0.5},
+        "use_gpu": False,
+        "placement_strategy": "PACK",
+    }
+    assert "git_commit" in snapshot["code"] and "git_dirty" in snapshot["code"]
+
+    inputs = run.inputs.dataset_inputs
+    contexts = {
+        next(t.value for t in i.tags if t.key == "mlflow.data.context"): i.dataset for i in inputs
+    }
+    assert set(contexts) == {"training", "validation"}
+    assert all(len(d.digest) == 16 for d in contexts.values())
+    assert run.data.tags["raylane.dataset_digest"] != contexts["training"].digest
+
+
+def test_checkpoint_per_epoch_holds_model_optimizer_and_epoch(trained):
+    cfg, outcome = trained
+    last = Path(outcome.checkpoint_path)
+    assert {"model.pt", "optimizer.pt", "meta.json"} <= {p.name for p in last.iterdir()}
+    assert json.loads((last / "meta.json").read_text())["epoch"] == cfg.training.epochs - 1
+    kept = sorted(p.name for p in last.parent.glob("epoch_*"))
+    assert kept == [f"epoch_{e:04d}" for e in range(cfg.training.epochs - 2, cfg.training.epochs)]
+
+
+def test_champion_alias_resolves_to_a_model_that_predicts(trained, client, workspace):
+    cfg, outcome = trained
+    name = cfg.tracking.registered_model
+    champion = client.get_model_version_by_alias(name, "champion")
+    assert int(champion.version) == outcome.model_version
+    assert champion.run_id == outcome.run_id
+
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(cfg.data.validation_path)
+    features = np.stack(table.column("features").to_numpy(zero_copy_only=False))[:100]
+    labels = table.column("label").to_numpy()[:100]
+    mlflow.set_tracking_uri(workspace.tracking_uri)
+    model = mlflow.pytorch.load_model(f"models:/{name}@champion")
+    import torch
+
+    predicted = model(torch.from_numpy(features.astype(np.float32))).argmax(dim=1).numpy()
+    assert (predicted == labels).mean() >= 0.9
+
+
+def test_worse_model_does_not_take_alias_and_seeded_runs_repeat(trained, client, workspace):
+    cfg, champion_outcome = trained
+    weak = load_config(REFERENCE, workspace.overrides("training.epochs=1", "training.lr=0.0001"))
+    first, second = run_training(weak), run_training(weak)
+    assert first.metrics["val_accuracy"] < champion_outcome.metrics["val_accuracy"]
+    assert not first.promoted and not second.promoted
+    champion = client.get_model_version_by_alias(cfg.tracking.registered_model, "champion")
+    assert int(champion.version) == champion_outcome.model_version
+    assert first.model_version != second.model_version
+    # Same seed, same data, CPU: the two runs are identical.
+    assert first.metrics["train_loss"] == second.metrics["train_loss"]
+    assert first.metrics["val_loss"] == second.metrics["val_loss"]
