@@ -9,18 +9,6 @@ from rich.table import Table
 from raylane.config import RaylaneConfig
 
 
-def _validation_rows(cfg: RaylaneConfig, count: int) -> tuple[np.ndarray, np.ndarray]:
-    import pyarrow.parquet as pq
-
-    from raylane.data.parquet import parquet_files
-
-    columns = [cfg.data.features_column, cfg.data.label_column]
-    table = pq.read_table(parquet_files(cfg.data.validation_path), columns=columns)
-    table = table.slice(0, count)
-    features = np.stack(table.column(0).to_numpy(zero_copy_only=False)).astype(np.float32)
-    return features, table.column(1).to_numpy()
-
-
 def query_endpoint(url: str, model_name: str, rows: np.ndarray) -> tuple[list[int], str]:
     """Send rows over real HTTP to the v2 infer route; return predicted labels and version."""
     import httpx
@@ -48,6 +36,7 @@ def run_quickstart(cfg: RaylaneConfig, rows: int, console: Console) -> None:
     from ray import serve
 
     from raylane.data import ensure_dataset
+    from raylane.data.parquet import read_rows
     from raylane.runtime import connect_ray, disconnect_ray
     from raylane.serving.app import deploy
     from raylane.train.job import run_training
@@ -66,7 +55,7 @@ def run_quickstart(cfg: RaylaneConfig, rows: int, console: Console) -> None:
         console.rule("[3/4] deploy the champion on Ray Serve")
         url = deploy(cfg)
         console.rule("[4/4] inference over HTTP")
-        features, truth = _validation_rows(cfg, rows)
+        features, truth = read_rows(cfg.data.validation_path, cfg, limit=rows)
         predicted, version = query_endpoint(url, cfg.serving.model_name, features)
         table = Table(title=f"{url}/v2/models/{cfg.serving.model_name}/infer (version {version})")
         table.add_column("row", justify="right")

@@ -19,12 +19,9 @@ def connect_ray(address: str | None = None) -> bool:
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
-    ray.init(
-        address=address,
-        logging_level=logging.WARNING,
-        # A job's own code travels with it; the driver only needs its working directory.
-        ignore_reinit_error=True,
-    )
+    ray.init(address=address, logging_level=logging.WARNING)
+    # Ray Data logs every dataset execution at INFO in the driver; keep the console readable.
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
     return address is None
 
 

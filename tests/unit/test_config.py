@@ -146,3 +146,10 @@ def test_cli_reports_bad_config_in_one_line_without_traceback(tmp_path):
     assert str(path) in lines[0] and "training.epochs" in lines[0]
     assert "Traceback" not in result.stderr
     assert "ray" not in result.stderr.lower().replace("raylane", "")
+
+
+def test_readme_configuration_reference_is_current():
+    from raylane.config.reference import render_into
+
+    readme = (ROOT / "README.md").read_text()
+    assert render_into(readme) == readme, "run: python -m raylane.config.reference"

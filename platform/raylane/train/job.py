@@ -8,8 +8,6 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
-import numpy as np
-
 from raylane.config import RaylaneConfig
 
 log = logging.getLogger("raylane")
@@ -32,17 +30,6 @@ def new_run_name(experiment: str) -> str:
     return f"{experiment}-{datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
 
 
-def _validation_example(cfg: RaylaneConfig, rows: int = 5) -> np.ndarray:
-    import pyarrow.parquet as pq
-
-    from raylane.data.parquet import parquet_files
-
-    table = pq.read_table(
-        parquet_files(cfg.data.validation_path)[0], columns=[cfg.data.features_column]
-    ).slice(0, rows)
-    return np.stack(table.column(0).to_numpy(zero_copy_only=False)).astype(np.float32)
-
-
 def _final_model(cfg: RaylaneConfig, checkpoint):
     from raylane.models import build_model
     from raylane.train.checkpointing import load_model_state
@@ -62,6 +49,7 @@ def run_training(cfg: RaylaneConfig) -> TrainingOutcome:
     from mlflow.tracking import MlflowClient
 
     from raylane.data import dataset_digest, ensure_dataset
+    from raylane.data.parquet import read_rows
     from raylane.data.ray_datasets import read_datasets
     from raylane.runtime import connect_ray
     from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
@@ -103,7 +91,9 @@ def run_training(cfg: RaylaneConfig) -> TrainingOutcome:
 
         log.info("logging and registering the model as %s", cfg.tracking.registered_model)
         model_info = log_trained_model(
-            _final_model(cfg, result.checkpoint), cfg, _validation_example(cfg)
+            _final_model(cfg, result.checkpoint),
+            cfg,
+            read_rows(cfg.data.validation_path, cfg, limit=5)[0],
         )
         score = float(metrics[cfg.tracking.champion_metric])
         decision = register_if_better(

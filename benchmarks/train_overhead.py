@@ -1,0 +1,153 @@
+"""What Ray Train + Ray Data cost against a bare torch loop, and what a second worker buys.
+
+Measured side by side in one run, on the digits data and a convolutional digits model (widened
+so a step is compute-bound), one torch thread per process:
+
+  (a) a bare single-process torch loop over in-memory tensors;
+  (b) Ray Train, 1 worker, fed by Ray Data from Parquet;
+  (c) Ray Train, 2 workers (DDP), fed by Ray Data.
+
+Start-up is excluded: each figure is the median of per-epoch samples/s after the first
+(warm-up) epoch. The training split is repeated `--repeat` times (default 6, about 8,600 rows)
+so an epoch lasts seconds and Ray Data's fixed per-epoch start (tens of milliseconds) is
+amortised as it is on real datasets. The last line printed is one JSON object with the ratios.
+
+    python benchmarks/train_overhead.py [--epochs 5] [--batch-size 128] [--repeat 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from raylane.config import load_config
+from raylane.data import ensure_dataset
+from raylane.models import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench_config(workdir: Path, epochs: int, batch_size: int, workers: int, channels: str):
+    return load_config(
+        ROOT / "configs" / "train" / "digits_ddp.yaml",
+        [
+            f"data.train_path={workdir}/data/train.parquet",
+            f"data.validation_path={workdir}/data/validation.parquet",
+            f"training.storage_path={workdir}/runs",
+            f"training.epochs={epochs}",
+            f"training.batch_size={batch_size}",
+            f"training.checkpoints_to_keep={epochs}",
+            "model.kind=cnn",
+            f"model.hidden_sizes={channels}",
+            f"parallelism.workers={workers}",
+            "parallelism.torch_threads=1",
+        ],
+    )
+
+
+def repeat_training_rows(cfg, times: int) -> int:
+    """Rewrite the training split with every row `times` times (same rows for every setup)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(cfg.data.train_path)
+    pq.write_table(pa.concat_tables([table] * times), cfg.data.train_path)
+    return table.num_rows * times
+
+
+def bare_torch(cfg) -> list[float]:
+    """(a): the same model, optimizer, batch size and data, no Ray, one process."""
+    import pyarrow.parquet as pq
+
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.training.seed)
+    table = pq.read_table(cfg.data.train_path)
+    features = torch.from_numpy(
+        np.stack(table.column("features").to_numpy(zero_copy_only=False)).astype(np.float32)
+    )
+    labels = torch.from_numpy(table.column("label").to_numpy().astype(np.int64))
+    model = build_model(cfg.model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.training.lr)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    rates = []
+    for _ in range(cfg.training.epochs):
+        start = time.perf_counter()
+        order = torch.randperm(len(labels))
+        for begin in range(0, len(labels), cfg.training.batch_size):
+            index = order[begin : begin + cfg.training.batch_size]
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model(features[index]), labels[index]).backward()
+            optimizer.step()
+        rates.append(len(labels) / (time.perf_counter() - start))
+    return rates
+
+
+def ray_train(cfg, name: str) -> list[float]:
+    """(b)/(c): the raylane trainer with Ray Data ingest; per-epoch samples/s from its reports."""
+    from raylane.data.ray_datasets import read_datasets
+    from raylane.train.trainer import build_trainer
+
+    result = build_trainer(cfg, read_datasets(cfg), name, {}).fit()
+    history = sorted((m["epoch"], m["train_samples_per_s"]) for _, m in result.best_checkpoints)
+    return [rate for _, rate in history]
+
+
+def steady(rates: list[float]) -> float:
+    return statistics.median(rates[1:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--epochs", type=int, default=5)
+    parser.add_argument("--batch-size", type=int, default=128, help="Rows per step per worker.")
+    parser.add_argument("--repeat", type=int, default=6, help="Copies of the training split.")
+    parser.add_argument("--channels", default="[64, 128, 128]", help="CNN channels per layer.")
+    args = parser.parse_args()
+
+    import ray
+
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        cfg1 = bench_config(workdir, args.epochs, args.batch_size, 1, args.channels)
+        cfg2 = bench_config(workdir, args.epochs, args.batch_size, 2, args.channels)
+        ensure_dataset(cfg1)
+        rows = repeat_training_rows(cfg1, args.repeat)
+        ray.init(num_cpus=2, logging_level="ERROR", log_to_driver=False)
+        try:
+            stamp = time.strftime("%H%M%S")
+            ray1 = ray_train(cfg1, f"bench-ray1-{stamp}")
+            ray2 = ray_train(cfg2, f"bench-ray2-{stamp}")
+        finally:
+            ray.shutdown()
+        # The bare loop runs with Ray stopped, so it gets the machine as a user's script would.
+        bare = bare_torch(cfg1)
+
+    setups = [("(a) bare torch, 1 process", bare), ("(b) Ray Train, 1 worker", ray1),
+            ("(c) Ray Train, 2 workers", ray2)]  # fmt: skip
+    print(f"{'setup':<28} {'steady samples/s':>17}   per-epoch samples/s")
+    print(f"training rows per epoch: {rows}")
+    for label, rates in setups:
+        print(f"{label:<28} {steady(rates):>17.0f}   " + " ".join(f"{r:.0f}" for r in rates))
+    figures = {
+        "model": f"cnn {args.channels}",
+        "batch_size_per_worker": args.batch_size,
+        "epochs": args.epochs,
+        "rows_per_epoch": rows,
+        "torch_samples_per_s": round(steady(bare), 1),
+        "ray1_samples_per_s": round(steady(ray1), 1),
+        "ray2_samples_per_s": round(steady(ray2), 1),
+        "ray1_vs_torch": round(steady(ray1) / steady(bare), 3),
+        "ray2_vs_ray1": round(steady(ray2) / steady(ray1), 3),
+    }
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
