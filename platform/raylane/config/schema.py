@@ -23,10 +23,12 @@ class StrictModel(BaseModel):
 
 
 class DataConfig(StrictModel):
-    source: Literal["sklearn-digits", "parquet"] = Field(
+    source: Literal["sklearn-digits", "python-stdlib", "parquet"] = Field(
         "sklearn-digits",
-        description="Where the data comes from. 'sklearn-digits' is materialised to Parquet by "
-        "`raylane prepare` (or on first use); 'parquet' reads existing files you provide.",
+        description="Where the data comes from. 'sklearn-digits' (8x8 digit images) and "
+        "'python-stdlib' (byte windows of the Python standard library's source, for language "
+        "models) are materialised to Parquet by `raylane prepare` (or on first use); 'parquet' "
+        "reads existing files you provide.",
     )
     train_path: Path = Field(
         Path("data/digits/train.parquet"),
@@ -50,6 +52,12 @@ class DataConfig(StrictModel):
     split_seed: int = Field(
         0, description="Seed of the deterministic train/validation split of a built-in dataset."
     )
+    max_bytes: int = Field(
+        1 << 19,
+        ge=1024,
+        description="python-stdlib: how many bytes of source text to take (whole files, in "
+        "sorted path order).",
+    )
     cache: bool = Field(
         True,
         description="Materialise both splits in Ray's object store once, instead of re-reading "
@@ -58,13 +66,22 @@ class DataConfig(StrictModel):
 
 
 class ModelConfig(StrictModel):
-    kind: Literal["mlp", "cnn"] = Field(
+    kind: Literal["mlp", "cnn", "gpt"] = Field(
         "mlp",
-        description="Architecture: 'mlp' (fully connected) or 'cnn' (convolutions over a square "
-        "image; more compute per parameter).",
+        description="Architecture: 'mlp' (fully connected), 'cnn' (convolutions over a square "
+        "image; more compute per parameter) or 'gpt' (byte-level decoder-only transformer).",
     )
-    input_dim: int = Field(DIGITS_FEATURES, ge=1, description="Number of input features per row.")
-    num_classes: int = Field(DIGITS_CLASSES, ge=2, description="Number of output classes.")
+    input_dim: int = Field(
+        DIGITS_FEATURES,
+        ge=1,
+        description="Number of input features per row (gpt: tokens per sequence).",
+    )
+    num_classes: int = Field(
+        DIGITS_CLASSES, ge=2, description="Number of output classes (gpt: vocabulary size)."
+    )
+    d_model: int = Field(64, ge=1, description="gpt: width of the residual stream.")
+    n_heads: int = Field(4, ge=1, description="gpt: attention heads per block.")
+    n_layers: int = Field(4, ge=1, description="gpt: transformer blocks.")
     hidden_sizes: list[int] = Field(
         default_factory=lambda: [128, 128],
         min_length=1,
@@ -81,6 +98,10 @@ class ModelConfig(StrictModel):
     def _check_shape(self) -> ModelConfig:
         if any(h < 1 for h in self.hidden_sizes):
             raise ValueError("every entry of hidden_sizes must be at least 1")
+        if self.kind == "gpt" and self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+            )
         if self.kind == "cnn" and math.isqrt(self.input_dim) ** 2 != self.input_dim:
             raise ValueError(
                 f"kind 'cnn' needs a square image, but input_dim={self.input_dim} is not a "
@@ -110,12 +131,31 @@ class TrainingConfig(StrictModel):
 
 
 class ParallelismConfig(StrictModel):
-    strategy: Literal["ddp"] = Field(
+    strategy: Literal["ddp", "pipeline", "hybrid"] = Field(
         "ddp",
         description="How the model is parallelised. 'ddp': data parallel "
-        "(DistributedDataParallel).",
+        "(DistributedDataParallel); 'pipeline': the model's blocks split into `pp` stages on "
+        "different workers, micro-batched; 'hybrid': `dp` data-parallel replicas of a `pp`-stage "
+        "pipeline.",
     )
-    workers: int = Field(2, ge=1, description="Ray Train workers (processes) in the job.")
+    workers: int = Field(
+        2, ge=1, description="Ray Train workers (processes) in the job; dp * pp of them."
+    )
+    pp: int = Field(1, ge=1, description="Pipeline stages (pipeline/hybrid).")
+    dp: int = Field(1, ge=1, description="Data-parallel degree: replicas of the pipeline (hybrid).")
+    microbatches: int = Field(
+        1, ge=1, description="Micro-batches each batch is cut into for the pipeline schedule."
+    )
+    schedule: Literal["gpipe", "1f1b"] = Field(
+        "gpipe",
+        description="Pipeline schedule: 'gpipe' (all forwards, then all backwards) or '1f1b' "
+        "(one forward one backward; fewer activations held).",
+    )
+    split_points: list[int] | None = Field(
+        None,
+        description="Block indices where stages 2..pp begin (pp - 1 of them, increasing). "
+        "Default: an even split of the model's blocks.",
+    )
     resources_per_worker: dict[str, float] = Field(
         default_factory=lambda: {"CPU": 0.5},
         description="Ray resources each worker reserves. Keep CPU below 1 on small machines so "
@@ -227,7 +267,27 @@ class RaylaneConfig(StrictModel):
     serving: ServingConfig = Field(default_factory=ServingConfig, description="Ray Serve endpoint.")
 
     @model_validator(mode="after")
+    def _check_parallel_layout(self) -> RaylaneConfig:
+        from raylane.config.layout import check_layout
+
+        check_layout(self)
+        return self
+
+    @model_validator(mode="after")
     def _check_dataset_matches_model(self) -> RaylaneConfig:
+        if self.data.source == "python-stdlib":
+            if self.model.kind != "gpt":
+                raise ValueError(
+                    f"data.source 'python-stdlib' is token data: model.kind must be 'gpt', "
+                    f"not '{self.model.kind}'"
+                )
+            if self.model.num_classes != 256:
+                raise ValueError(
+                    f"model.num_classes is {self.model.num_classes} but python-stdlib is "
+                    "byte-level (256 tokens)"
+                )
+        if self.data.source == "sklearn-digits" and self.model.kind == "gpt":
+            raise ValueError("model.kind 'gpt' needs token data (data.source 'python-stdlib')")
         if self.data.source == "sklearn-digits":
             if self.model.input_dim != DIGITS_FEATURES:
                 raise ValueError(

@@ -21,6 +21,7 @@ class ModelCard:
     run_id: str | None
     input_dim: int
     num_classes: int
+    input_dtype: str = "float32"
 
 
 class Predictor:
@@ -50,23 +51,36 @@ class Predictor:
         mlflow.set_tracking_uri(tracking_uri)
         uri = f"models:/{registered_model}/{version.version}"
         model = mlflow.pytorch.load_model(uri, map_location="cpu")
-        input_dim, num_classes = _signature_dims(uri)
+        input_dim, num_classes, input_dtype = _signature_dims(uri)
         card = ModelCard(
-            registered_model, int(version.version), version.run_id, input_dim, num_classes
+            registered_model,
+            int(version.version),
+            version.run_id,
+            input_dim,
+            num_classes,
+            input_dtype,
         )
         return cls(model, card)
 
     @torch.no_grad()
     def predict(self, rows: np.ndarray) -> np.ndarray:
-        """Logits `[N, num_classes]` for raw feature rows `[N, input_dim]`."""
-        inputs = torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32))
-        return self.model(inputs).numpy()
+        """Logits `[N, num_classes]` for raw feature rows `[N, input_dim]`.
+
+        Sequence models (outputs `[N, T, vocab]`) answer with the next-token logits: the last
+        position's.
+        """
+        inputs = torch.from_numpy(np.ascontiguousarray(rows, dtype=self.card.input_dtype))
+        outputs = self.model(inputs)
+        if outputs.ndim == 3:
+            outputs = outputs[:, -1, :]
+        return outputs.numpy()
 
 
-def _signature_dims(model_uri: str) -> tuple[int, int]:
+def _signature_dims(model_uri: str) -> tuple[int, int, str]:
+    """Features per row, outputs per row and the input dtype, from the logged signature."""
     from mlflow.models import get_model_info
 
     signature = get_model_info(model_uri).signature
-    input_shape = signature.inputs.inputs[0].shape
+    input_spec = signature.inputs.inputs[0]
     output_shape = signature.outputs.inputs[0].shape
-    return int(input_shape[-1]), int(output_shape[-1])
+    return int(input_spec.shape[-1]), int(output_shape[-1]), str(input_spec.type)

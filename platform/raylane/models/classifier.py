@@ -56,6 +56,10 @@ class ConvClassifier(nn.Module):
 
 def build_model(cfg: ModelConfig) -> nn.Module:
     """The configured architecture with freshly initialised weights (seed before calling)."""
+    if cfg.kind == "gpt":
+        from raylane.models.gpt import GPT
+
+        return GPT(cfg.num_classes, cfg.input_dim, cfg.d_model, cfg.n_heads, cfg.n_layers)
     if cfg.kind == "cnn":
         return ConvClassifier(cfg.input_dim, cfg.hidden_sizes, cfg.num_classes, cfg.input_scale)
     return MLPClassifier(cfg.input_dim, cfg.hidden_sizes, cfg.num_classes, cfg.input_scale)

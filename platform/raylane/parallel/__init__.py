@@ -1,6 +1,6 @@
 """Parallelism strategies. The train loop asks the registry; it never branches on a name."""
 
 from raylane.parallel.base import ParallelStrategy
-from raylane.parallel.registry import available_strategies, get_strategy
+from raylane.parallel.registry import available_strategies, get_strategy, splits_dataset
 
-__all__ = ["ParallelStrategy", "available_strategies", "get_strategy"]
+__all__ = ["ParallelStrategy", "available_strategies", "get_strategy", "splits_dataset"]

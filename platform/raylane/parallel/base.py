@@ -1,4 +1,9 @@
-"""The protocol every parallelism strategy implements."""
+"""The protocol every parallelism strategy implements.
+
+A strategy is built inside each Ray Train worker (after the process group exists) and answers
+the few questions on which strategies differ; the train loop asks it and never branches on a
+strategy's name.
+"""
 
 from __future__ import annotations
 
@@ -12,16 +17,24 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class ParallelStrategy(Protocol):
-    """Applies one way of parallelising to a plain model inside a Ray Train worker."""
-
     name: str
+    #: Ray Train shards the datasets across workers (else every worker sees all rows).
+    splits_dataset: bool
+    #: This worker trains on batch i when i % data_world == data_rank (after any sharding).
+    data_rank: int
+    data_world: int
+    #: This worker's losses and outputs are the model's (the last pipeline stage; all DDP ranks).
+    reports_loss: bool
+    #: This worker writes its part of each checkpoint, under this part number.
+    saves_checkpoint: bool
+    checkpoint_part: int
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        """Place the model on this worker's device and apply the strategy to it."""
+        """Apply the strategy to a plain model on this worker; return what this worker trains."""
         ...
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:
-        """The plain module behind a wrapped one (what checkpoints and the registry hold)."""
+        """The plain module (or stage) behind a wrapped one, for checkpoints."""
         ...
 
     def train_step(
@@ -31,6 +44,14 @@ class ParallelStrategy(Protocol):
         loss_fn: LossFn,
         inputs: torch.Tensor,
         targets: torch.Tensor,
-    ) -> torch.Tensor:
-        """Forward, backward and optimizer step on one batch; returns the (detached) loss."""
+    ) -> torch.Tensor | None:
+        """Forward, backward and optimizer step on one batch; the loss where `reports_loss`."""
+        ...
+
+    def forward(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor | None:
+        """Evaluation forward of one batch; the outputs where `reports_loss`, else None."""
+        ...
+
+    def epoch_stats(self) -> dict[str, float]:
+        """Strategy-specific measurements of the last epoch (collective: every rank calls)."""
         ...

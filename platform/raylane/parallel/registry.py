@@ -2,20 +2,33 @@
 
 from __future__ import annotations
 
+from raylane.config import RaylaneConfig
 from raylane.parallel.base import ParallelStrategy
-from raylane.parallel.ddp import DataParallel
 
-_STRATEGIES: dict[str, type] = {DataParallel.name: DataParallel}
+
+def _strategies() -> dict[str, type]:
+    from raylane.parallel.ddp import DataParallel
+    from raylane.parallel.pipeline import PipelineParallel
+
+    return {"ddp": DataParallel, "pipeline": PipelineParallel, "hybrid": PipelineParallel}
 
 
 def available_strategies() -> list[str]:
-    return sorted(_STRATEGIES)
+    return sorted(_strategies())
 
 
-def get_strategy(name: str) -> ParallelStrategy:
+def splits_dataset(name: str) -> bool:
+    """Whether Ray Train should shard the datasets across the workers of this strategy."""
+    return _strategies()[name].splits_dataset
+
+
+def get_strategy(cfg: RaylaneConfig, rank: int) -> ParallelStrategy:
+    """The configured strategy for the worker of global `rank` (process group initialised)."""
+    name = cfg.parallelism.strategy
     try:
-        return _STRATEGIES[name]()
+        strategy = _strategies()[name]
     except KeyError:
         raise ValueError(
             f"unknown parallelism strategy {name!r}; available: {', '.join(available_strategies())}"
         ) from None
+    return strategy(cfg, rank)

@@ -1,4 +1,9 @@
-"""Per-epoch checkpoints: model weights, optimizer state and the epoch they follow."""
+"""Per-epoch checkpoints: model weights, optimizer state and the epoch they follow.
+
+A checkpoint may be written in parts (one per pipeline stage, each by its own worker; Ray Train
+merges the workers' directories). Parameter names are those of the whole model in every part,
+so the parts' state dicts merge into the whole model's.
+"""
 
 from __future__ import annotations
 
@@ -8,30 +13,51 @@ from pathlib import Path
 import torch
 from torch import nn
 
-MODEL_FILE = "model.pt"
-OPTIMIZER_FILE = "optimizer.pt"
 META_FILE = "meta.json"
 
 
+def _model_file(part: int) -> str:
+    return f"model-part{part:03d}.pt"
+
+
+def _optimizer_file(part: int) -> str:
+    return f"optimizer-part{part:03d}.pt"
+
+
 def save_checkpoint(
-    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, metrics: dict
+    directory: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    epoch: int,
+    metrics: dict,
+    part: int = 0,
 ) -> None:
-    """Write a checkpoint of a plain (unwrapped) model into `directory`."""
+    """Write this worker's part of a checkpoint of a plain (unwrapped) model or stage."""
     directory.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), directory / MODEL_FILE)
-    torch.save(optimizer.state_dict(), directory / OPTIMIZER_FILE)
+    torch.save(model.state_dict(), directory / _model_file(part))
+    torch.save(optimizer.state_dict(), directory / _optimizer_file(part))
     (directory / META_FILE).write_text(json.dumps({"epoch": epoch, "metrics": metrics}))
 
 
 def load_model_state(directory: Path) -> dict:
-    return torch.load(Path(directory) / MODEL_FILE, map_location="cpu", weights_only=True)
+    """The whole model's state dict: every part merged."""
+    parts = sorted(Path(directory).glob("model-part*.pt"))
+    if not parts:
+        raise FileNotFoundError(f"{directory}: checkpoint holds no model-part*.pt")
+    state: dict = {}
+    for part in parts:
+        state.update(torch.load(part, map_location="cpu", weights_only=True))
+    return state
 
 
-def restore_checkpoint(directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Load weights and optimizer state; return the epoch to start from."""
+def restore_checkpoint(
+    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, part: int = 0
+) -> int:
+    """Load this worker's part (weights and optimizer state); return the epoch to start from."""
     directory = Path(directory)
-    model.load_state_dict(load_model_state(directory))
+    state = torch.load(directory / _model_file(part), map_location="cpu", weights_only=True)
+    model.load_state_dict(state)
     optimizer.load_state_dict(
-        torch.load(directory / OPTIMIZER_FILE, map_location="cpu", weights_only=True)
+        torch.load(directory / _optimizer_file(part), map_location="cpu", weights_only=True)
     )
     return json.loads((directory / META_FILE).read_text())["epoch"] + 1

@@ -1,7 +1,9 @@
 """`train_loop_per_worker`: what each Ray Train worker runs.
 
 Strategy-agnostic: the parallelism strategy wraps the model and runs each step; this loop feeds
-batches, evaluates, checkpoints, and reports once per epoch.
+batches, evaluates, checkpoints, and reports once per epoch. Losses are cross-entropy over the
+last dimension of the outputs, which covers classification (`[B, C]` vs `[B]`) and language
+modelling (`[B, T, V]` vs `[B, T]`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import os
 import random
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +20,7 @@ import numpy as np
 import ray.train
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch.nn import functional as F
 
 from raylane.config import RaylaneConfig
 from raylane.models import build_model
@@ -39,6 +42,10 @@ def worker_threads(cfg: RaylaneConfig, local_world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
 
 
+def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
+
+
 def _all_reduce_sum(values: list[float]) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64)
     if dist.is_available() and dist.is_initialized():
@@ -46,21 +53,37 @@ def _all_reduce_sum(values: list[float]) -> list[float]:
     return tensor.tolist()
 
 
-def _train_epoch(strategy, model, optimizer, loss_fn, shard, cfg, epoch, rank, device):
-    model.train()
-    loss_sum, rows = 0.0, 0
-    start = time.perf_counter()
-    for inputs, targets in iter_torch_batches(
+def _my_batches(strategy, shard, cfg: RaylaneConfig, shuffle_seed: int | None) -> Iterator:
+    """This worker's batches: every `data_world`-th one, from complete groups only, so every
+    data-parallel replica takes the same number of steps."""
+    pipelined = not strategy.splits_dataset
+    group: list = []
+    for batch in iter_torch_batches(
         shard,
         batch_size=cfg.training.batch_size,
         features_column=cfg.data.features_column,
         label_column=cfg.data.label_column,
-        shuffle_seed=cfg.training.seed * 100_003 + epoch * 1_009 + rank,
-        device=device,
+        shuffle_seed=shuffle_seed,
+        # Pipeline stages infer their buffers' shapes once: every batch must be full.
+        drop_last=pipelined,
     ):
-        loss = strategy.train_step(model, optimizer, loss_fn, inputs, targets)
-        loss_sum += loss.item() * len(targets)
-        rows += len(targets)
+        group.append(batch)
+        if len(group) == strategy.data_world:
+            yield group[strategy.data_rank]
+            group = []
+
+
+def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank):
+    model.train()
+    loss_sum, rows = 0.0, 0
+    # Workers that read the same rows (pipeline stages) must shuffle them the same way.
+    seed = cfg.training.seed * 100_003 + epoch * 1_009 + (rank if strategy.splits_dataset else 0)
+    start = time.perf_counter()
+    for inputs, targets in _my_batches(strategy, shard, cfg, seed):
+        loss = strategy.train_step(model, optimizer, cross_entropy, inputs, targets)
+        if strategy.reports_loss:
+            loss_sum += loss.item() * len(targets)
+            rows += len(targets)
     elapsed = time.perf_counter() - start
     total_loss, total_rows = _all_reduce_sum([loss_sum, rows])
     # Throughput of the whole group: all rows over this worker's epoch time (the group moves in
@@ -69,26 +92,22 @@ def _train_epoch(strategy, model, optimizer, loss_fn, shard, cfg, epoch, rank, d
 
 
 @torch.no_grad()
-def _evaluate(model, loss_fn, shard, cfg, device):
+def _evaluate(strategy, model, shard, cfg):
     model.eval()
-    loss_sum, correct, rows = 0.0, 0.0, 0.0
-    for inputs, targets in iter_torch_batches(
-        shard,
-        batch_size=max(256, cfg.training.batch_size),
-        features_column=cfg.data.features_column,
-        label_column=cfg.data.label_column,
-        device=device,
-    ):
-        logits = model(inputs)
-        loss_sum += loss_fn(logits, targets).item() * len(targets)
-        correct += (logits.argmax(dim=1) == targets).sum().item()
-        rows += len(targets)
-    loss_sum, correct, rows = _all_reduce_sum([loss_sum, correct, rows])
-    return loss_sum / max(rows, 1), correct / max(rows, 1)
+    loss_sum, correct, count = 0.0, 0.0, 0.0
+    for inputs, targets in _my_batches(strategy, shard, cfg, shuffle_seed=None):
+        outputs = strategy.forward(model, inputs)
+        if outputs is None:
+            continue
+        loss_sum += cross_entropy(outputs, targets).item() * targets.numel()
+        correct += (outputs.argmax(dim=-1) == targets).sum().item()
+        count += targets.numel()
+    loss_sum, correct, count = _all_reduce_sum([loss_sum, correct, count])
+    return loss_sum / max(count, 1), correct / max(count, 1)
 
 
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
-    """Train the configured model on this worker's shards, reporting once per epoch.
+    """Train the configured model on this worker's data, reporting once per epoch.
 
     `loop_config` holds the resolved config (`config`), and the MLflow run to log into
     (`tracking_uri`, `run_id`; rank 0 only).
@@ -99,20 +118,18 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     torch.set_num_threads(worker_threads(cfg, context.get_local_world_size()))
     seed_everything(cfg.training.seed)
 
-    strategy = get_strategy(cfg.parallelism.strategy)
+    strategy = get_strategy(cfg, rank)
     model = strategy.wrap_model(build_model(cfg.model))
-    device = next(model.parameters()).device
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.training.lr, weight_decay=cfg.training.weight_decay
     )
-    loss_fn = nn.CrossEntropyLoss()
 
     start_epoch = 0
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             start_epoch = restore_checkpoint(
-                Path(directory), strategy.unwrap_model(model), optimizer
+                Path(directory), strategy.unwrap_model(model), optimizer, strategy.checkpoint_part
             )
 
     epoch_logger = None
@@ -125,9 +142,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     validation_shard = ray.train.get_dataset_shard("validation")
     for epoch in range(start_epoch, cfg.training.epochs):
         train_loss, rows, elapsed = _train_epoch(
-            strategy, model, optimizer, loss_fn, train_shard, cfg, epoch, rank, device
+            strategy, model, optimizer, train_shard, cfg, epoch, rank
         )
-        val_loss, val_accuracy = _evaluate(model, loss_fn, validation_shard, cfg, device)
+        stats = strategy.epoch_stats()
+        val_loss, val_accuracy = _evaluate(strategy, model, validation_shard, cfg)
         metrics = {
             "epoch": epoch,
             "train_loss": train_loss,
@@ -135,16 +153,24 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             "val_accuracy": val_accuracy,
             "train_samples_per_s": rows / elapsed if elapsed > 0 else 0.0,
             "epoch_time_s": elapsed,
+            **stats,
         }
         if epoch_logger is not None:
             epoch_logger.log(metrics, step=epoch)
         with tempfile.TemporaryDirectory() as directory:
-            if rank == 0:
+            if strategy.saves_checkpoint:
                 save_checkpoint(
-                    Path(directory), strategy.unwrap_model(model), optimizer, epoch, metrics
+                    Path(directory),
+                    strategy.unwrap_model(model),
+                    optimizer,
+                    epoch,
+                    metrics,
+                    strategy.checkpoint_part,
                 )
             ray.train.report(
                 metrics,
-                checkpoint=ray.train.Checkpoint.from_directory(directory) if rank == 0 else None,
+                checkpoint=ray.train.Checkpoint.from_directory(directory)
+                if strategy.saves_checkpoint
+                else None,
                 checkpoint_dir_name=f"epoch_{epoch:04d}",
             )

@@ -16,6 +16,7 @@ def build_trainer(cfg: RaylaneConfig, datasets: dict, run_name: str, loop_config
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from raylane.parallel import splits_dataset
     from raylane.train.loop import train_loop_per_worker
 
     par = cfg.parallelism
@@ -40,7 +41,12 @@ def build_trainer(cfg: RaylaneConfig, datasets: dict, run_name: str, loop_config
         ),
         datasets=datasets,
         # Keep row order stable so a seeded CPU run repeats exactly.
-        dataset_config=DataConfig(execution_options=_ordered_ingest_options()),
+        dataset_config=DataConfig(
+            # Pipeline stages read the same rows (the first stage needs the inputs, the last
+            # the targets), so their datasets are not sharded.
+            datasets_to_split="all" if splits_dataset(par.strategy) else [],
+            execution_options=_ordered_ingest_options(),
+        ),
     )
 
 

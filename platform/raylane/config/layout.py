@@ -1,0 +1,80 @@
+"""Cross-field checks of the parallel layout: workers = dp * pp, stages, micro-batches.
+
+Each rule raises a sentence that names the fields, so an impossible layout is refused before
+Ray starts.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from raylane.config.schema import RaylaneConfig
+
+PIPELINED = ("pipeline", "hybrid")
+
+
+def stage_boundaries(n_layers: int, pp: int, split_points: list[int] | None) -> list[int]:
+    """`[0, s1, ..., n_layers]`: stage k holds blocks `[b[k], b[k+1])`."""
+    points = (
+        split_points if split_points is not None else [n_layers * k // pp for k in range(1, pp)]
+    )
+    return [0, *points, n_layers]
+
+
+def check_layout(cfg: RaylaneConfig) -> None:
+    par = cfg.parallelism
+    if par.strategy == "ddp":
+        if par.pp != 1 or par.dp not in (1, par.workers):
+            raise ValueError(
+                f"parallelism: strategy 'ddp' uses all {par.workers} workers as data-parallel "
+                f"replicas; pp must be 1 (got {par.pp}) and dp 1 or {par.workers} (got {par.dp})"
+            )
+        return
+    if cfg.model.kind != "gpt":
+        raise ValueError(
+            f"parallelism: strategy '{par.strategy}' splits transformer blocks into stages; "
+            f"model.kind must be 'gpt', not '{cfg.model.kind}'"
+        )
+    if par.pp < 2:
+        raise ValueError(f"parallelism: strategy '{par.strategy}' needs pp >= 2 (got {par.pp})")
+    if par.strategy == "pipeline" and par.dp != 1:
+        raise ValueError(
+            f"parallelism: strategy 'pipeline' has dp 1 (got {par.dp}); use 'hybrid' for dp > 1"
+        )
+    if par.strategy == "hybrid" and par.dp < 2:
+        raise ValueError(f"parallelism: strategy 'hybrid' needs dp >= 2 (got {par.dp})")
+    if par.dp * par.pp != par.workers:
+        raise ValueError(
+            f"parallelism: dp * pp = {par.dp} * {par.pp} = {par.dp * par.pp} but workers is "
+            f"{par.workers}"
+        )
+    if par.microbatches < par.pp:
+        raise ValueError(
+            f"parallelism: microbatches ({par.microbatches}) must be at least pp ({par.pp}), "
+            "or some stages never have work"
+        )
+    if cfg.training.batch_size % par.microbatches:
+        raise ValueError(
+            f"training.batch_size ({cfg.training.batch_size}) is not divisible by "
+            f"parallelism.microbatches ({par.microbatches})"
+        )
+    n_layers = cfg.model.n_layers
+    if par.split_points is None:
+        if n_layers % par.pp:
+            raise ValueError(
+                f"model.n_layers ({n_layers}) is not divisible by parallelism.pp ({par.pp}); "
+                "set parallelism.split_points for an uneven split"
+            )
+        return
+    points = par.split_points
+    if len(points) != par.pp - 1:
+        raise ValueError(
+            f"parallelism.split_points needs pp - 1 = {par.pp - 1} entries, got {len(points)}"
+        )
+    bounds = [0, *points, n_layers]
+    if any(a >= b for a, b in zip(bounds, bounds[1:], strict=False)):
+        raise ValueError(
+            f"parallelism.split_points {points} must increase strictly within 1..{n_layers - 1} "
+            "so every stage holds at least one block"
+        )

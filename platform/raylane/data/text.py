@@ -1,0 +1,70 @@
+"""Byte-level language-modelling data from text every Python installation ships: the standard
+library's own source files. The file list and a digest of the bytes are written next to the
+Parquet (manifest.json), so a run records exactly which text it learned from.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+from raylane.config import RaylaneConfig
+
+MANIFEST = "manifest.json"
+
+
+def stdlib_source_files(max_bytes: int) -> list[Path]:
+    """Top-level `*.py` files of the standard library in sorted order, up to `max_bytes`."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chosen, total = [], 0
+    for path in sorted(root.glob("*.py")):
+        size = path.stat().st_size
+        if total + size > max_bytes and chosen:
+            break
+        chosen.append(path)
+        total += size
+    if not chosen:
+        raise FileNotFoundError(f"no Python source files found under {root}")
+    return chosen
+
+
+def token_windows(data: bytes, context_length: int) -> tuple[np.ndarray, np.ndarray]:
+    """Non-overlapping windows: inputs `[N, T]` and next-byte targets `[N, T]` (int64)."""
+    tokens = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
+    count = (len(tokens) - 1) // context_length
+    span = tokens[: count * context_length + 1]
+    inputs = span[:-1].reshape(count, context_length)
+    targets = span[1:].reshape(count, context_length)
+    return inputs, targets
+
+
+def prepare_stdlib_text(cfg: RaylaneConfig) -> tuple[int, int]:
+    """Write train/validation windows of the stdlib source as Parquet plus a manifest."""
+    from raylane.data.prepare import write_split
+
+    data = cfg.data
+    files = stdlib_source_files(data.max_bytes)
+    text = b"".join(path.read_bytes() for path in files)
+    inputs, targets = token_windows(text, cfg.model.input_dim)
+    order = np.random.default_rng(data.split_seed).permutation(len(inputs))
+    n_val = max(1, round(len(order) * data.validation_fraction))
+    val, train = order[:n_val], order[n_val:]
+    write_split(data.train_path, inputs[train], targets[train], data)
+    write_split(data.validation_path, inputs[val], targets[val], data)
+    manifest = {
+        "source": "python-stdlib",
+        "python": platform.python_version(),
+        "root": str(files[0].parent),
+        "files": [path.name for path in files],
+        "bytes": len(text),
+        "sha256": hashlib.sha256(text).hexdigest(),
+        "context_length": cfg.model.input_dim,
+        "windows": {"train": len(train), "validation": len(val)},
+    }
+    Path(data.train_path).parent.joinpath(MANIFEST).write_text(json.dumps(manifest, indent=2))
+    return len(train), len(val)

@@ -1,0 +1,72 @@
+"""A small GPT-style decoder over bytes: token + position embedding, N blocks, head.
+
+No parallelism inside. Blocks live in a `ModuleDict` keyed by their index, so a pipeline stage
+can be this same model with the other stages' parts deleted: parameter names stay those of the
+whole model, and the stages' state dicts merge back into one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.n_heads = n_heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        shape = (batch, length, self.n_heads, width // self.n_heads)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(out.transpose(1, 2).reshape(batch, length, width))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention then MLP, each with a residual."""
+
+    def __init__(self, d_model: int, n_heads: int):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = CausalSelfAttention(d_model, n_heads)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = nn.Sequential(
+            nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """Decoder-only language model: tokens `[B, T]` (int64) -> logits `[B, T, vocab]`.
+
+    When a stage has no embedding (a later pipeline stage), its input is the previous stage's
+    hidden states `[B, T, d_model]`; when it has no head, it returns hidden states.
+    """
+
+    def __init__(self, vocab_size: int, context_length: int, d_model: int, n_heads: int,
+                 n_layers: int):  # fmt: skip
+        super().__init__()
+        self.tok_emb: nn.Embedding | None = nn.Embedding(vocab_size, d_model)
+        self.pos_emb: nn.Embedding | None = nn.Embedding(context_length, d_model)
+        self.blocks = nn.ModuleDict({str(i): Block(d_model, n_heads) for i in range(n_layers)})
+        self.norm: nn.LayerNorm | None = nn.LayerNorm(d_model)
+        self.head: nn.Linear | None = nn.Linear(d_model, vocab_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_emb is not None:
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.tok_emb(x) + self.pos_emb(positions)
+        for block in self.blocks.values():
+            x = block(x)
+        if self.head is not None:
+            x = self.head(self.norm(x))
+        return x

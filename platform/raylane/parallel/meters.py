@@ -1,0 +1,106 @@
+"""Measurements of one pipeline stage: compute time per step and activation memory held."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+
+import torch
+
+
+class StageTimer:
+    """Accumulates the time a stage spends computing (its forward and backward chunks) against
+    the wall time of the steps; the difference is time spent waiting: the bubble."""
+
+    COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+    def __init__(self):
+        self.reset()
+        self._paused = False
+
+    def reset(self) -> None:
+        self.busy_s = 0.0
+        self.wall_s = 0.0
+        self.steps = 0
+
+    def instrument(self, stage) -> None:
+        for name in self.COMPUTE_METHODS:
+            if hasattr(stage, name):
+                setattr(stage, name, self._timed(getattr(stage, name)))
+
+    def _timed(self, method):
+        @functools.wraps(method)
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                if not self._paused:
+                    self.busy_s += time.perf_counter() - start
+
+        return wrapper
+
+    def end_step(self, wall_s: float) -> None:
+        self.wall_s += wall_s
+        self.steps += 1
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Evaluation forwards do not count towards the training bubble."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
+
+class _Held:
+    """A tensor saved for backward; counts its bytes as held until autograd releases it."""
+
+    __slots__ = ("meter", "nbytes", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, meter: ActivationMeter):
+        self.tensor = tensor
+        self.meter = meter
+        self.nbytes = tensor.numel() * tensor.element_size()
+        meter.add(self.nbytes)
+
+    def __del__(self):
+        self.meter.add(-self.nbytes)
+
+
+class ActivationMeter:
+    """Peak bytes of activations autograd holds for backward during a step.
+
+    Parameters (leaf tensors that require grad) are not counted: they are held anyway. GPipe
+    holds every micro-batch's activations before the first backward; 1F1B at most about `pp`.
+    """
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.live_bytes = 0
+        self.peak_bytes = 0
+
+    def add(self, nbytes: int) -> None:
+        self.live_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def _pack(self, tensor: torch.Tensor):
+        if tensor.is_leaf and tensor.requires_grad:
+            return tensor
+        return _Held(tensor, self)
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Held) else saved
+
+    def __enter__(self):
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)

@@ -1,0 +1,174 @@
+"""Pipeline parallelism (and its hybrid with data parallelism) with torch.distributed.pipelining.
+
+Each worker holds one stage: the plain model with the other stages' blocks deleted, so its
+parameter names are those of the whole model. Batches are cut into micro-batches and driven
+through the stages by a GPipe or 1F1B schedule; with dp > 1, each stage's gradients are averaged
+over its data-parallel replicas before the optimizer step. Every step records each stage's busy
+time (forward/backward compute) and the activation bytes autograd holds, so the bubble can be
+compared with the GPipe bound (p - 1) / (m + p - 1).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from raylane.config import RaylaneConfig
+from raylane.config.layout import stage_boundaries
+from raylane.parallel.base import LossFn
+from raylane.parallel.mesh import build_mesh
+from raylane.parallel.meters import ActivationMeter, StageTimer
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def build_stage_module(model: nn.Module, stage: int, bounds: list[int]) -> nn.Module:
+    """Stage `stage` of a GPT: blocks `[bounds[stage], bounds[stage + 1])`, the embeddings on
+    the first stage, the final norm and head on the last; everything else deleted."""
+    keep = {str(i) for i in range(bounds[stage], bounds[stage + 1])}
+    for key in list(model.blocks.keys()):
+        if key not in keep:
+            del model.blocks[key]
+    if stage > 0:
+        model.tok_emb = model.pos_emb = None
+    if stage < len(bounds) - 2:
+        model.norm = model.head = None
+    return model
+
+
+def average_gradients(module: nn.Module, group: dist.ProcessGroup, world: int) -> None:
+    """All-reduce this stage's gradients over its data-parallel replicas, in one buffer."""
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    if not grads:
+        return
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    flat /= world
+    for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+        grad.copy_(averaged)
+
+
+class PipelineParallel:
+    """`pp` stages, `microbatches` per batch, optionally `dp` replicas (strategy 'hybrid')."""
+
+    splits_dataset = False
+
+    def __init__(self, cfg: RaylaneConfig, rank: int):
+        par = cfg.parallelism
+        self.name = par.strategy
+        self.microbatches = par.microbatches
+        self.schedule_name = par.schedule
+        self.device = torch.device("cuda" if par.use_gpu else "cpu")
+        self.mesh = build_mesh(par.dp, par.pp, self.device.type)
+        self.stage_index = self.mesh.pp_rank
+        self.num_stages = par.pp
+        self.bounds = stage_boundaries(cfg.model.n_layers, par.pp, par.split_points)
+        self.is_first = self.stage_index == 0
+        self.is_last = self.stage_index == par.pp - 1
+        self.data_rank, self.data_world = self.mesh.dp_rank, par.dp
+        self.reports_loss = self.is_last
+        self.saves_checkpoint = self.mesh.dp_rank == 0
+        self.checkpoint_part = self.stage_index
+        self.timer = StageTimer()
+        self.activations = ActivationMeter()
+        self._schedule = None
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        if self.device.type == "cuda":
+            from ray.train.torch import get_device
+
+            self.device = get_device()
+        module = build_stage_module(model, self.stage_index, self.bounds).to(self.device)
+        self.stage = PipelineStage(
+            module, self.stage_index, self.num_stages, self.device, group=self.mesh.pp_group
+        )
+        self.timer.instrument(self.stage)
+        return module
+
+    def unwrap_model(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def _schedule_for(self, loss_fn: LossFn | None):
+        if self._schedule is None:
+            self._schedule = SCHEDULES[self.schedule_name](
+                self.stage, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=True
+            )
+        return self._schedule
+
+    def _run(self, method: str, inputs: torch.Tensor, targets: torch.Tensor | None, losses):
+        args = (inputs.to(self.device),) if self.is_first else ()
+        kwargs = {}
+        if self.is_last and targets is not None:
+            kwargs = {"target": targets.to(self.device), "losses": losses}
+        return getattr(self._schedule, method)(*args, **kwargs)
+
+    def train_step(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+    ) -> torch.Tensor | None:
+        self._schedule_for(loss_fn)
+        optimizer.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        start = time.perf_counter()
+        with self.activations:
+            self._run("step", inputs, targets, losses)
+        self.timer.end_step(time.perf_counter() - start)
+        if self.mesh.dp > 1:
+            average_gradients(model, self.mesh.dp_group, self.mesh.dp)
+        optimizer.step()
+        return torch.stack(losses).mean().detach() if self.is_last else None
+
+    def forward(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor | None:
+        self._schedule_for(None)
+        with self.timer.paused():
+            output = self._run("eval", inputs, None, None)
+        return output.cpu() if self.is_last else None
+
+    def epoch_stats(self) -> dict[str, float]:
+        """Per-stage busy/idle time and activation peak, gathered from every worker; the
+        measured bubble next to the GPipe bound. Resets the meters."""
+        mine = {
+            "stage": self.stage_index,
+            "dp_rank": self.mesh.dp_rank,
+            "busy_s": self.timer.busy_s,
+            "wall_s": self.timer.wall_s,
+            "steps": self.timer.steps,
+            "peak_activation_bytes": self.activations.peak_bytes,
+        }
+        gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+        dist.all_gather_object(gathered, mine)
+        self.timer.reset()
+        self.activations.reset()
+        return summarise_stages(gathered, self.num_stages, self.microbatches)
+
+
+def summarise_stages(records: list[dict], pp: int, microbatches: int) -> dict[str, float]:
+    """Metrics from every worker's stage record (replicas of a stage are averaged)."""
+    stats: dict[str, float] = {}
+    busy_total = wall_total = 0.0
+    for stage in range(pp):
+        rows = [r for r in records if r["stage"] == stage]
+        busy = sum(r["busy_s"] for r in rows) / len(rows)
+        wall = sum(r["wall_s"] for r in rows) / len(rows)
+        peak = max(r["peak_activation_bytes"] for r in rows)
+        stats[f"stage{stage}_busy_s"] = busy
+        stats[f"stage{stage}_idle_s"] = max(wall - busy, 0.0)
+        stats[f"stage{stage}_peak_activation_mb"] = peak / 2**20
+        busy_total += busy
+        wall_total += wall
+    efficiency = busy_total / wall_total if wall_total > 0 else 0.0
+    bound = (pp - 1) / (microbatches + pp - 1)
+    stats["pipeline_efficiency"] = efficiency
+    stats["bubble_fraction"] = 1.0 - efficiency
+    stats["bubble_bound_gpipe"] = bound
+    stats["efficiency_vs_bound"] = efficiency / (1.0 - bound)
+    return stats
