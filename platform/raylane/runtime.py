@@ -20,8 +20,6 @@ def connect_ray(address: str | None = None) -> bool:
         return False
     address = address or os.environ.get("RAY_ADDRESS")
     ray.init(address=address, logging_level=logging.WARNING)
-    # Ray Data logs every dataset execution at INFO in the driver; keep the console readable.
-    logging.getLogger("ray.data").setLevel(logging.WARNING)
     return address is None
 
 

@@ -60,6 +60,8 @@ def test_run_records_params_config_cluster_and_dataset(trained, client):
         "seed": 0,
         "strategy": "ddp",
         "workers": 2,
+        "dp": 1,
+        "pp": 1,
         "resources_per_worker": {"CPU": 0.5},
         "use_gpu": False,
         "placement_strategy": "PACK",

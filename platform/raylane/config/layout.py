@@ -22,6 +22,24 @@ def stage_boundaries(n_layers: int, pp: int, split_points: list[int] | None) -> 
     return [0, *points, n_layers]
 
 
+def describe_stages(cfg: RaylaneConfig) -> list[str]:
+    """One line per pipeline stage naming what it holds, e.g. 'stage 0: embeddings, blocks 0-1'.
+
+    A single line for unpipelined strategies."""
+    par, n_layers = cfg.parallelism, cfg.model.n_layers
+    if par.pp == 1:
+        return [f"every worker: the whole model ({par.workers} data-parallel replicas)"]
+    bounds = stage_boundaries(n_layers, par.pp, par.split_points)
+    lines = []
+    for stage in range(par.pp):
+        parts = ["embeddings"] if stage == 0 else []
+        parts.append(f"blocks {bounds[stage]}-{bounds[stage + 1] - 1}")
+        if stage == par.pp - 1:
+            parts.append("norm + head")
+        lines.append(f"stage {stage}: {', '.join(parts)} (x{par.dp} replicas)")
+    return lines
+
+
 def check_layout(cfg: RaylaneConfig) -> None:
     par = cfg.parallelism
     if par.strategy == "ddp":

@@ -13,8 +13,12 @@ def read_datasets(cfg: RaylaneConfig) -> dict:
     With `data.cache`, both are materialised once in Ray's object store, so epochs after the
     first do not re-read Parquet.
     """
+    import logging
+
     import ray.data
 
+    # Ray Data logs every execution at INFO in the driver; keep the console readable.
+    logging.getLogger("ray.data").setLevel(logging.WARNING)
     columns = [cfg.data.features_column, cfg.data.label_column]
     datasets = {}
     for name, path in (("train", cfg.data.train_path), ("validation", cfg.data.validation_path)):

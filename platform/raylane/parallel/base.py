@@ -48,7 +48,9 @@ class ParallelStrategy(Protocol):
         """Forward, backward and optimizer step on one batch; the loss where `reports_loss`."""
         ...
 
-    def forward(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor | None:
+    def forward(
+        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor | None:
         """Evaluation forward of one batch; the outputs where `reports_loss`, else None."""
         ...
 

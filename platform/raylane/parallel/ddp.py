@@ -48,7 +48,9 @@ class DataParallel:
         optimizer.step()
         return loss.detach()
 
-    def forward(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
         return model(inputs.to(self.device)).cpu()
 
     def epoch_stats(self) -> dict[str, float]:

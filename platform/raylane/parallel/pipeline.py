@@ -127,10 +127,13 @@ class PipelineParallel:
         optimizer.step()
         return torch.stack(losses).mean().detach() if self.is_last else None
 
-    def forward(self, model: nn.Module, inputs: torch.Tensor) -> torch.Tensor | None:
+    def forward(
+        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor | None:
         self._schedule_for(None)
         with self.timer.paused():
-            output = self._run("eval", inputs, None, None)
+            # The last stage's schedule computes the loss whenever it has a loss function.
+            output = self._run("eval", inputs, targets, [])
         return output.cpu() if self.is_last else None
 
     def epoch_stats(self) -> dict[str, float]:

@@ -89,6 +89,8 @@ def snapshot_cluster(cfg: RaylaneConfig) -> dict[str, Any]:
             "seed": cfg.training.seed,
             "strategy": cfg.parallelism.strategy,
             "workers": cfg.parallelism.workers,
+            "dp": cfg.parallelism.dp,
+            "pp": cfg.parallelism.pp,
             "resources_per_worker": cfg.parallelism.resources_per_worker,
             "use_gpu": cfg.parallelism.use_gpu,
             "placement_strategy": cfg.parallelism.placement_strategy,

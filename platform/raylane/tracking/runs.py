@@ -13,10 +13,12 @@ from mlflow.tracking import MlflowClient
 from torch import nn
 
 from raylane.config import RaylaneConfig
+from raylane.config.layout import describe_stages
 from raylane.config.loader import config_to_yaml, flatten
 
 CONFIG_ARTIFACT = "config/resolved.yaml"
 SNAPSHOT_ARTIFACT = "cluster/snapshot.json"
+LAYOUT_ARTIFACT = "parallel/stage_layout.txt"
 
 
 def log_run_context(cfg: RaylaneConfig, snapshot: dict[str, Any], dataset_digest: str) -> None:
@@ -25,6 +27,7 @@ def log_run_context(cfg: RaylaneConfig, snapshot: dict[str, Any], dataset_digest
     mlflow.log_params(params)
     mlflow.log_text(config_to_yaml(cfg), CONFIG_ARTIFACT)
     mlflow.log_dict(snapshot, SNAPSHOT_ARTIFACT)
+    mlflow.log_text("\n".join(describe_stages(cfg)) + "\n", LAYOUT_ARTIFACT)
     code = snapshot["code"]
     mlflow.set_tags(
         {
@@ -38,6 +41,10 @@ def log_run_context(cfg: RaylaneConfig, snapshot: dict[str, Any], dataset_digest
         }
     )
     _log_dataset_inputs(cfg, dataset_digest)
+    manifest = Path(cfg.data.train_path).parent / "manifest.json"
+    if manifest.is_file():
+        # Prepared text datasets record which files (and bytes) they were made from.
+        mlflow.log_artifact(str(manifest), "data")
 
 
 def _log_dataset_inputs(cfg: RaylaneConfig, digest: str) -> None:

@@ -96,7 +96,7 @@ def _evaluate(strategy, model, shard, cfg):
     model.eval()
     loss_sum, correct, count = 0.0, 0.0, 0.0
     for inputs, targets in _my_batches(strategy, shard, cfg, shuffle_seed=None):
-        outputs = strategy.forward(model, inputs)
+        outputs = strategy.forward(model, inputs, targets)
         if outputs is None:
             continue
         loss_sum += cross_entropy(outputs, targets).item() * targets.numel()
