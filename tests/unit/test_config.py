@@ -153,3 +153,53 @@ def test_readme_configuration_reference_is_current():
 
     readme = (ROOT / "README.md").read_text()
     assert render_into(readme) == readme, "run: python -m raylane.config.reference"
+
+
+LM_PIPELINE = ROOT / "configs" / "train" / "lm_pipeline.yaml"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["parallelism.microbatches=1"],
+            "microbatches (1) must be at least pp (2)",
+        ),
+        (["model.n_layers=3"], "model.n_layers (3) is not divisible by parallelism.pp (2)"),
+        (
+            ["parallelism.workers=3"],
+            "dp * pp = 1 * 2 = 2 but workers is 3",
+        ),
+        (
+            ["training.batch_size=30"],
+            "training.batch_size (30) is not divisible by parallelism.microbatches (4)",
+        ),
+        (["parallelism.pp=1"], "strategy 'pipeline' needs pp >= 2"),
+        (["parallelism.dp=2", "parallelism.workers=4"], "use 'hybrid' for dp > 1"),
+        (["parallelism.strategy=hybrid"], "strategy 'hybrid' needs dp >= 2"),
+        (["parallelism.split_points=[1, 2]"], "split_points needs pp - 1 = 1 entries, got 2"),
+        (["parallelism.split_points=[4]"], "must increase strictly within 1..3"),
+        (["model.n_heads=3"], "d_model (64) must be divisible by n_heads (3)"),
+        (
+            ["model.kind=mlp", "data.source=sklearn-digits", "model.num_classes=10"],
+            "model.kind must be 'gpt', not 'mlp'",
+        ),
+        (["model.num_classes=128"], "byte-level (256 tokens)"),
+    ],
+)
+def test_impossible_pipeline_layouts_are_refused_with_a_sentence(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(LM_PIPELINE, overrides)
+    assert expected in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_uneven_split_points_are_accepted_and_described():
+    from raylane.config.layout import describe_stages, stage_boundaries
+
+    cfg = load_config(LM_PIPELINE, ["model.n_layers=3", "parallelism.split_points=[1]"])
+    assert stage_boundaries(3, 2, [1]) == [0, 1, 3]
+    assert describe_stages(cfg) == [
+        "stage 0: embeddings, blocks 0-0 (x1 replicas)",
+        "stage 1: blocks 1-2, norm + head (x1 replicas)",
+    ]

@@ -119,6 +119,11 @@ class TrainingConfig(StrictModel):
     storage_path: Path = Field(
         Path("runs"), description="Where Ray Train keeps run state and checkpoints."
     )
+    resume_from: Path | None = Field(
+        None,
+        description="A checkpoint directory of an earlier run (runs/<run>/epoch_NNNN) to "
+        "continue from: weights, optimizer state and epoch count. Same model and layout.",
+    )
     checkpoints_to_keep: int = Field(
         2, ge=1, description="How many per-epoch checkpoints to keep (newest first)."
     )

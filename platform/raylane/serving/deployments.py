@@ -72,6 +72,7 @@ class ModelReplica:
             "run_id": card.run_id,
             "input_dim": card.input_dim,
             "num_classes": card.num_classes,
+            "input_datatype": "INT64" if card.input_dtype == "int64" else "FP32",
         }
 
     def statistics(self) -> dict[str, Any]:
@@ -154,7 +155,13 @@ class InferenceAPI:
             "platform": "pytorch_torch_export",
             "registered_model": card["registered_model"],
             "run_id": card["run_id"],
-            "inputs": [{"name": "features", "datatype": "FP32", "shape": [-1, card["input_dim"]]}],
+            "inputs": [
+                {
+                    "name": "features",
+                    "datatype": card["input_datatype"],
+                    "shape": [-1, card["input_dim"]],
+                }
+            ],
             "outputs": [
                 {"name": "logits", "datatype": "FP32", "shape": [-1, card["num_classes"]]},
                 {"name": "label", "datatype": "INT64", "shape": [-1]},

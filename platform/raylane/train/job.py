@@ -30,6 +30,15 @@ def new_run_name(experiment: str) -> str:
     return f"{experiment}-{datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
 
 
+def check_resumable(directory: Path) -> None:
+    """Refuse, before Ray starts, a resume path that holds no checkpoint."""
+    from raylane.data import DataError
+    from raylane.train.checkpointing import META_FILE
+
+    if not (Path(directory) / META_FILE).is_file():
+        raise DataError(f"{directory}: training.resume_from is not a raylane checkpoint")
+
+
 def _final_model(cfg: RaylaneConfig, checkpoint):
     from raylane.models import build_model
     from raylane.train.checkpointing import load_model_state
@@ -58,6 +67,8 @@ def run_training(cfg: RaylaneConfig) -> TrainingOutcome:
     from raylane.tracking.runs import log_run_context, log_trained_model
     from raylane.train.trainer import build_trainer
 
+    if cfg.training.resume_from is not None:
+        check_resumable(cfg.training.resume_from)
     train_info, val_info = ensure_dataset(cfg)
     log.info("data: %d training rows, %d validation rows", train_info.rows, val_info.rows)
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)

@@ -125,7 +125,11 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     )
 
     start_epoch = 0
+    # After a worker-group failure Ray Train hands back the run's last checkpoint; otherwise
+    # the run may start from an earlier run's checkpoint.
     checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None and cfg.training.resume_from is not None:
+        checkpoint = ray.train.Checkpoint(str(cfg.training.resume_from))
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
             start_epoch = restore_checkpoint(

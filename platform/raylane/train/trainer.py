@@ -25,7 +25,7 @@ def build_trainer(cfg: RaylaneConfig, datasets: dict, run_name: str, loop_config
         resources.setdefault("GPU", 1)
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"config": cfg.model_dump(mode="json"), **loop_config},
+        train_loop_config={"config": _worker_config(cfg), **loop_config},
         torch_config=TorchConfig(backend="nccl" if par.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=par.workers,
@@ -48,6 +48,14 @@ def build_trainer(cfg: RaylaneConfig, datasets: dict, run_name: str, loop_config
             execution_options=_ordered_ingest_options(),
         ),
     )
+
+
+def _worker_config(cfg: RaylaneConfig) -> dict:
+    """The config as workers see it: paths made absolute (workers run elsewhere)."""
+    tree = cfg.model_dump(mode="json")
+    if cfg.training.resume_from is not None:
+        tree["training"]["resume_from"] = str(Path(cfg.training.resume_from).resolve())
+    return tree
 
 
 def _ordered_ingest_options():
