@@ -34,6 +34,7 @@ format: install
 
 bench: install
 	$(BIN)/python benchmarks/train_overhead.py
+	$(BIN)/python benchmarks/pipeline_bubble.py
 
 clean:
 	rm -rf runs data mlruns mlartifacts mlflow.db .pytest_cache
