@@ -1,4 +1,4 @@
-"""The `raylane` command line: prepare, train, deploy, quickstart."""
+"""The `raylane` command line: prepare, train, tune, deploy, quickstart."""
 
 from __future__ import annotations
 
@@ -169,6 +169,38 @@ def _shutdown_serve() -> None:
 
     if ray.is_initialized():
         serve.shutdown()
+
+
+@app.command()
+def tune(
+    config: Annotated[
+        Path, typer.Option("--config", "-c", help="Search spec YAML (see configs/tune/).")
+    ] = Path("configs/tune/parallelism.yaml"),
+    overrides: SetOption = None,
+) -> None:
+    """Search parallelism layouts with Ray Tune on measured throughput; emit the best config.
+
+    Example: raylane tune --config configs/tune/parallelism.yaml --set trial.epochs=3
+    """
+    _setup_logging()
+    from raylane.runtime import connect_ray, disconnect_ray
+    from raylane.tune.planner import plan
+    from raylane.tune.spec import load_spec
+
+    try:
+        spec = load_spec(config, overrides or [])
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    started = False
+    try:
+        started = connect_ray()
+        result = plan(spec, console)
+    except _user_errors() as exc:
+        raise _fail(str(exc)) from None
+    finally:
+        disconnect_ray(started)
+    if result.best_config is None:
+        raise typer.Exit(1)
 
 
 @app.command()

@@ -19,7 +19,9 @@ def connect_ray(address: str | None = None) -> bool:
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
-    ray.init(address=address, logging_level=logging.WARNING)
+    # "local" always starts a new Ray for this process, even when another one (say a
+    # `ray start` cluster of someone else's) runs on the machine.
+    ray.init(address=address or "local", logging_level=logging.WARNING)
     return address is None
 
 

@@ -80,7 +80,9 @@ def test_run_records_params_config_cluster_and_dataset(trained, client):
 def test_checkpoint_per_epoch_holds_model_optimizer_and_epoch(trained):
     cfg, outcome = trained
     last = Path(outcome.checkpoint_path)
-    assert {"model.pt", "optimizer.pt", "meta.json"} <= {p.name for p in last.iterdir()}
+    assert {"model-part000.pt", "optimizer-part000.pt", "meta.json"} <= {
+        p.name for p in last.iterdir()
+    }
     assert json.loads((last / "meta.json").read_text())["epoch"] == cfg.training.epochs - 1
     kept = sorted(p.name for p in last.parent.glob("epoch_*"))
     assert kept == [f"epoch_{e:04d}" for e in range(cfg.training.epochs - 2, cfg.training.epochs)]

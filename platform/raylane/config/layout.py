@@ -42,6 +42,16 @@ def describe_stages(cfg: RaylaneConfig) -> list[str]:
 
 def check_layout(cfg: RaylaneConfig) -> None:
     par = cfg.parallelism
+    if cfg.training.activation_checkpointing and cfg.model.kind != "gpt":
+        raise ValueError(
+            "training.activation_checkpointing recomputes transformer blocks; model.kind must "
+            f"be 'gpt', not '{cfg.model.kind}'"
+        )
+    if par.grad_compression != "none" and par.strategy != "ddp":
+        raise ValueError(
+            f"parallelism.grad_compression '{par.grad_compression}' is a DDP communication "
+            f"hook; strategy '{par.strategy}' does not use DDP"
+        )
     if par.strategy == "ddp":
         if par.pp != 1 or par.dp not in (1, par.workers):
             raise ValueError(

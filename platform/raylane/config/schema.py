@@ -119,6 +119,17 @@ class TrainingConfig(StrictModel):
     storage_path: Path = Field(
         Path("runs"), description="Where Ray Train keeps run state and checkpoints."
     )
+    steps_per_epoch: int | None = Field(
+        None,
+        ge=1,
+        description="Stop each epoch after this many optimizer steps (None: a full pass). "
+        "Short measured epochs for parallelism trials.",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each transformer block's activations in backward instead of "
+        "holding them (gpt): less memory, more compute.",
+    )
     resume_from: Path | None = Field(
         None,
         description="A checkpoint directory of an earlier run (runs/<run>/epoch_NNNN) to "
@@ -172,6 +183,11 @@ class ParallelismConfig(StrictModel):
         ge=1,
         description="torch intra-op threads per worker. Default: the machine's cores divided "
         "by the workers, at least 1, so workers do not oversubscribe cores.",
+    )
+    grad_compression: Literal["none", "fp16", "bf16", "powersgd"] = Field(
+        "none",
+        description="DDP gradient compression through a communication hook: 'fp16'/'bf16' "
+        "halve the all-reduced bytes, 'powersgd' sends a rank-1 approximation (ddp only).",
     )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray placement strategy of the worker group."

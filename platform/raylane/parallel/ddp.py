@@ -21,13 +21,17 @@ class DataParallel:
 
     def __init__(self, cfg: RaylaneConfig, rank: int):
         self.saves_checkpoint = rank == 0
+        self.grad_compression = cfg.parallelism.grad_compression
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         from ray.train.torch import prepare_model
 
         # prepare_model moves the model to the worker's device and wraps it in DDP when the
         # worker group has more than one worker.
+        from raylane.parallel.grad_compression import register_compression
+
         model = prepare_model(model, parallel_strategy="ddp")
+        register_compression(model, self.grad_compression)
         self.device = next(model.parameters()).device
         return model
 

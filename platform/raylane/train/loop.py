@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import resource
 import tempfile
 import time
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from torch.nn import functional as F
 from raylane.config import RaylaneConfig
 from raylane.models import build_model
 from raylane.parallel import get_strategy
+from raylane.parallel.activation_checkpoint import apply_activation_checkpointing
 from raylane.train.batches import iter_torch_batches
 from raylane.train.checkpointing import restore_checkpoint, save_checkpoint
 
@@ -46,11 +48,20 @@ def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
 
 
-def _all_reduce_sum(values: list[float]) -> list[float]:
+def _all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64)
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op=op)
     return tensor.tolist()
+
+
+MAX = dist.ReduceOp.MAX
+
+
+def peak_rss_mb() -> float:
+    """The largest resident set of any worker so far (MB): what a memory budget is held to."""
+    (peak,) = _all_reduce([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024], MAX)
+    return peak
 
 
 def _my_batches(strategy, shard, cfg: RaylaneConfig, shuffle_seed: int | None) -> Iterator:
@@ -79,15 +90,19 @@ def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank):
     # Workers that read the same rows (pipeline stages) must shuffle them the same way.
     seed = cfg.training.seed * 100_003 + epoch * 1_009 + (rank if strategy.splits_dataset else 0)
     start = time.perf_counter()
-    for inputs, targets in _my_batches(strategy, shard, cfg, seed):
+    for step, (inputs, targets) in enumerate(_my_batches(strategy, shard, cfg, seed)):
+        if cfg.training.steps_per_epoch is not None and step >= cfg.training.steps_per_epoch:
+            break
         loss = strategy.train_step(model, optimizer, cross_entropy, inputs, targets)
         if strategy.reports_loss:
             loss_sum += loss.item() * len(targets)
             rows += len(targets)
     elapsed = time.perf_counter() - start
-    total_loss, total_rows = _all_reduce_sum([loss_sum, rows])
+    total_loss, total_rows = _all_reduce([loss_sum, rows])
     # Throughput of the whole group: all rows over this worker's epoch time (the group moves in
     # lock-step, so every worker's epoch takes about as long).
+    # Data-parallel replicas each count their own rows; pipeline stages of one replica count
+    # them once (only the last stage reports).
     return total_loss / max(total_rows, 1), total_rows, elapsed
 
 
@@ -102,7 +117,7 @@ def _evaluate(strategy, model, shard, cfg):
         loss_sum += cross_entropy(outputs, targets).item() * targets.numel()
         correct += (outputs.argmax(dim=-1) == targets).sum().item()
         count += targets.numel()
-    loss_sum, correct, count = _all_reduce_sum([loss_sum, correct, count])
+    loss_sum, correct, count = _all_reduce([loss_sum, correct, count])
     return loss_sum / max(count, 1), correct / max(count, 1)
 
 
@@ -119,7 +134,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     seed_everything(cfg.training.seed)
 
     strategy = get_strategy(cfg, rank)
-    model = strategy.wrap_model(build_model(cfg.model))
+    model = build_model(cfg.model)
+    if cfg.training.activation_checkpointing:
+        model = apply_activation_checkpointing(model)
+    model = strategy.wrap_model(model)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.training.lr, weight_decay=cfg.training.weight_decay
     )
@@ -157,6 +175,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             "val_accuracy": val_accuracy,
             "train_samples_per_s": rows / elapsed if elapsed > 0 else 0.0,
             "epoch_time_s": elapsed,
+            "peak_rss_mb": peak_rss_mb(),
             **stats,
         }
         if epoch_logger is not None:

@@ -8,10 +8,17 @@ from typing import Any
 from raylane.config import RaylaneConfig
 
 
-def build_trainer(cfg: RaylaneConfig, datasets: dict, run_name: str, loop_config: dict[str, Any]):
+def build_trainer(
+    cfg: RaylaneConfig,
+    datasets: dict,
+    run_name: str,
+    loop_config: dict[str, Any],
+    callbacks: list | None = None,
+):
     """A TorchTrainer for `cfg`: worker group, datasets, storage, failure and checkpoint policy.
 
     `run_name` must be unique per run: Ray Train resumes a run whose name already exists.
+    `callbacks` are Ray Train user callbacks (a Tune trial passes its report callback).
     """
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
@@ -38,6 +45,7 @@ def build_trainer(cfg: RaylaneConfig, datasets: dict, run_name: str, loop_config
             storage_path=str(Path(cfg.training.storage_path).resolve()),
             failure_config=FailureConfig(max_failures=cfg.training.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.training.checkpoints_to_keep),
+            callbacks=callbacks,
         ),
         datasets=datasets,
         # Keep row order stable so a seeded CPU run repeats exactly.

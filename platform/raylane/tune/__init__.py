@@ -1,0 +1,1 @@
+"""The parallelism planner: Ray Tune searches layouts on measured throughput."""

@@ -1,0 +1,143 @@
+"""Enumerate the layouts of a search space: valid ones to launch, pruned ones with a reason.
+
+Validity is decided by the training config's own validators (one source of truth for what a
+layout may be) plus the search's resource budget; nothing infeasible is ever launched.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from raylane.config import ConfigError, RaylaneConfig, load_config
+from raylane.tune.spec import TuneSpec
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One layout: the overrides that turn the base config into it."""
+
+    overrides: dict[str, Any]
+
+    @property
+    def key(self) -> str:
+        o = self.overrides
+        parts = [
+            o["parallelism.strategy"],
+            f"w{o['parallelism.workers']}",
+            f"dp{o['parallelism.dp']}xpp{o['parallelism.pp']}",
+            f"m{o['parallelism.microbatches']}",
+            f"b{o['training.batch_size']}",
+        ]
+        if o["parallelism.grad_compression"] != "none":
+            parts.append(o["parallelism.grad_compression"])
+        if o["training.activation_checkpointing"]:
+            parts.append("ac")
+        parts += [f"{k.rsplit('.', 1)[-1]}={v}" for k, v in o.items() if k not in _LAYOUT_KEYS]
+        return "-".join(str(p) for p in parts)
+
+    def as_list(self) -> list[str]:
+        return [f"{k}={_yaml_value(v)}" for k, v in self.overrides.items()]
+
+
+@dataclass(frozen=True)
+class Pruned:
+    candidate: Candidate
+    reason: str
+
+
+_LAYOUT_KEYS = {
+    "parallelism.strategy",
+    "parallelism.workers",
+    "parallelism.dp",
+    "parallelism.pp",
+    "parallelism.microbatches",
+    "training.batch_size",
+    "parallelism.grad_compression",
+    "training.activation_checkpointing",
+    "parallelism.resources_per_worker",
+}
+
+
+def _yaml_value(value: Any) -> str:
+    import json
+
+    return "null" if value is None else json.dumps(value)
+
+
+def _layouts(strategy: str, workers: int, pps: list[int]) -> list[tuple[int, int]]:
+    if strategy == "ddp":
+        return [(workers, 1)]
+    return [(workers // pp, pp) for pp in pps if workers % pp == 0] or [(workers, 1)]
+
+
+def enumerate_candidates(spec: TuneSpec) -> tuple[list[Candidate], list[Pruned]]:
+    """Every combination of the space, split into launchable candidates and pruned ones."""
+    space, budget = spec.search, spec.constraints
+    valid: list[Candidate] = []
+    pruned: list[Pruned] = []
+    seen: set[str] = set()
+    extra_keys = list(space.extra)
+    for strategy, workers in itertools.product(space.strategy, space.workers):
+        pipelined = strategy != "ddp"
+        for (dp, pp), micro, batch, compression, ac, *extra in itertools.product(
+            _layouts(strategy, workers, space.pp),
+            space.microbatches if pipelined else [1],
+            space.batch_size,
+            space.grad_compression,
+            space.activation_checkpointing,
+            *(space.extra[k] for k in extra_keys),
+        ):
+            candidate = Candidate(
+                {
+                    "parallelism.strategy": strategy,
+                    "parallelism.workers": workers,
+                    "parallelism.dp": dp,
+                    "parallelism.pp": pp,
+                    "parallelism.microbatches": micro,
+                    "training.batch_size": batch,
+                    "parallelism.grad_compression": compression,
+                    "training.activation_checkpointing": ac,
+                    "parallelism.resources_per_worker": {"CPU": budget.cpus_per_worker},
+                    **dict(zip(extra_keys, extra, strict=True)),
+                }
+            )
+            if candidate.key in seen:
+                continue
+            seen.add(candidate.key)
+            reason = prune_reason(spec, candidate)
+            if reason:
+                pruned.append(Pruned(candidate, reason))
+            else:
+                valid.append(candidate)
+    return valid, pruned
+
+
+def prune_reason(spec: TuneSpec, candidate: Candidate) -> str | None:
+    """Why `candidate` cannot run within the spec, or None."""
+    o = candidate.overrides
+    workers = o["parallelism.workers"]
+    need = workers * spec.constraints.cpus_per_worker
+    if need > spec.constraints.cpus + 1e-9:
+        return f"needs {need:g} CPUs ({workers} workers x {spec.constraints.cpus_per_worker:g}), budget is {spec.constraints.cpus:g}"  # noqa: E501
+    if o["parallelism.grad_compression"] != "none" and workers == 1:
+        return "one worker all-reduces no gradients: nothing to compress"
+    try:
+        trial_config(spec, candidate)
+    except ConfigError as exc:
+        return str(exc).split(": ", 1)[-1]
+    return None
+
+
+def trial_config(spec: TuneSpec, candidate: Candidate, *, for_trial: bool = True) -> RaylaneConfig:
+    """The base config with the candidate applied; for a trial, shortened to measured epochs."""
+    overrides = [*spec.base_overrides, *candidate.as_list()]
+    if for_trial:
+        overrides += [
+            f"training.epochs={spec.trial.epochs}",
+            f"training.steps_per_epoch={spec.trial.steps_per_epoch}",
+            "training.checkpoints_to_keep=1",
+            f"training.storage_path={spec.storage_path.resolve()}",
+        ]
+    return load_config(spec.base, overrides)

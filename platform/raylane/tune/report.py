@@ -1,0 +1,165 @@
+"""What a search leaves behind: a ranked table, a CSV, a scaling plot, MLflow runs (a parent
+and one nested run per trial) and the winner as a runnable training config."""
+
+from __future__ import annotations
+
+import csv
+from collections import defaultdict
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from raylane.config.loader import config_to_yaml
+from raylane.tune.candidates import trial_config
+from raylane.tune.search import SearchOutcome, TrialOutcome
+from raylane.tune.spec import TuneSpec
+
+COLUMNS = ["rank", "layout", "strategy", "workers", "dp", "pp", "microbatches", "batch_size",
+           "grad_compression", "activation_checkpointing", "samples_per_s", "peak_rss_mb",
+           "epochs", "status", "detail"]  # fmt: skip
+
+
+def _row(rank: int | str, trial: TrialOutcome) -> dict:
+    o = trial.candidate.overrides
+    return {
+        "rank": rank,
+        "layout": trial.candidate.key,
+        "strategy": o["parallelism.strategy"],
+        "workers": o["parallelism.workers"],
+        "dp": o["parallelism.dp"],
+        "pp": o["parallelism.pp"],
+        "microbatches": o["parallelism.microbatches"],
+        "batch_size": o["training.batch_size"],
+        "grad_compression": o["parallelism.grad_compression"],
+        "activation_checkpointing": o["training.activation_checkpointing"],
+        "samples_per_s": None if trial.samples_per_s is None else round(trial.samples_per_s, 1),
+        "peak_rss_mb": None if trial.peak_rss_mb is None else round(trial.peak_rss_mb),
+        "epochs": trial.epochs,
+        "status": trial.status,
+        "detail": trial.detail,
+    }
+
+
+def rows(outcome: SearchOutcome) -> list[dict]:
+    ranked = [_row(i + 1, t) for i, t in enumerate(outcome.ranked)]
+    for item in outcome.pruned:
+        pruned = TrialOutcome(item.candidate, "pruned", detail=item.reason)
+        ranked.append(_row("-", pruned))
+    return ranked
+
+
+def print_table(outcome: SearchOutcome, console: Console) -> None:
+    table = Table(title=f"parallelism search: {len(outcome.trials)} trials in "
+                        f"{outcome.wall_s:.0f} s, {len(outcome.pruned)} pruned")  # fmt: skip
+    for name in ("rank", "layout", "samples/s", "peak MB", "status"):
+        table.add_column(
+            name, justify="right" if name in ("rank", "samples/s", "peak MB") else "left"
+        )
+    for row in rows(outcome):
+        table.add_row(
+            str(row["rank"]),
+            row["layout"],
+            "" if row["samples_per_s"] is None else f"{row['samples_per_s']:.1f}",
+            "" if row["peak_rss_mb"] is None else str(row["peak_rss_mb"]),
+            row["status"] + (f": {row['detail']}" if row["detail"] else ""),
+        )
+    console.print(table)
+
+
+def write_csv(outcome: SearchOutcome, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows(outcome))
+    return path
+
+
+def scaling_plot(outcome: SearchOutcome, path: Path) -> Path:
+    """Best throughput and scaling efficiency per world size, one line per strategy.
+
+    Efficiency = throughput / (world size x the best one-worker throughput of any strategy);
+    without a one-worker trial, the smallest world size measured is the reference.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    best: dict[str, dict[int, float]] = defaultdict(dict)
+    for trial in outcome.trials:
+        if trial.samples_per_s is None or trial.status == "failed":
+            continue
+        strategy = trial.candidate.overrides["parallelism.strategy"]
+        world = trial.world_size
+        best[strategy][world] = max(best[strategy].get(world, 0.0), trial.samples_per_s)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    all_points = [(w, v) for per in best.values() for w, v in per.items()]
+    if all_points:
+        smallest = min(w for w, _ in all_points)
+        reference = max(v for w, v in all_points if w == smallest) / smallest
+        for strategy, per in sorted(best.items()):
+            worlds = sorted(per)
+            left.plot(worlds, [per[w] for w in worlds], marker="o", label=strategy)
+            right.plot(worlds, [per[w] / (w * reference) for w in worlds], marker="o",
+                       label=strategy)  # fmt: skip
+    left.set(xlabel="world size (workers)", ylabel="samples/s", title="throughput")
+    right.set(xlabel="world size (workers)", ylabel="efficiency", title="scaling efficiency")
+    right.axhline(1.0, color="grey", linewidth=0.5)
+    for axis in (left, right):
+        axis.legend() if all_points else None
+        axis.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def write_best_config(spec: TuneSpec, winner: TrialOutcome, path: Path) -> Path:
+    """The winner as a complete training config: the base's full length, the winning layout."""
+    cfg = trial_config(spec, winner.candidate, for_trial=False)
+    header = (
+        f"# Generated by `raylane tune` ({spec.experiment}): the best measured layout,\n"
+        f"# {winner.candidate.key} at {winner.samples_per_s:.1f} samples/s in its trial.\n"
+        f"# Run it: raylane train --config {path}\n"
+    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(header + config_to_yaml(cfg))
+    return path
+
+
+def log_to_mlflow(spec: TuneSpec, outcome: SearchOutcome, files: list[Path]) -> str:
+    """A parent run for the search, one nested run per trial; returns the parent's id."""
+    import mlflow
+
+    from raylane.config.loader import flatten
+    from raylane.tracking import resolve_tracking_uri
+
+    mlflow.set_tracking_uri(resolve_tracking_uri(spec.tracking_uri))
+    mlflow.set_experiment(spec.experiment)
+    with mlflow.start_run(run_name=f"{spec.experiment}-search") as parent:
+        mlflow.log_params(
+            {k: str(v)[:500] for k, v in flatten(spec.model_dump(mode="json")).items()}
+        )
+        mlflow.log_metrics({"trials": len(outcome.trials), "pruned": len(outcome.pruned),
+                            "search_wall_s": outcome.wall_s})  # fmt: skip
+        if outcome.winner is not None:
+            mlflow.set_tag("raylane.winner", outcome.winner.candidate.key)
+            mlflow.log_metric("best_samples_per_s", outcome.winner.samples_per_s)
+        for path in files:
+            mlflow.log_artifact(str(path))
+        for trial in outcome.trials:
+            with mlflow.start_run(run_name=trial.candidate.key, nested=True):
+                mlflow.log_params({k: str(v) for k, v in trial.candidate.overrides.items()})
+                mlflow.set_tags({"raylane.trial_status": trial.status,
+                                 "raylane.trial_detail": trial.detail[:500]})  # fmt: skip
+                metrics = {k: v for k, v in trial.metrics.items() if k != "epoch"}
+                if trial.samples_per_s is not None:
+                    metrics["samples_per_s"] = trial.samples_per_s
+                    metrics["scaling_efficiency_per_worker"] = (
+                        trial.samples_per_s / trial.world_size
+                    )
+                mlflow.log_metrics(metrics)
+    return parent.info.run_id

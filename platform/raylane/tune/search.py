@@ -1,0 +1,154 @@
+"""Run the parallelism search: enumerate, measure each candidate with Ray Tune, rank."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from raylane.tune.candidates import Candidate, Pruned, enumerate_candidates, trial_config
+from raylane.tune.spec import TuneSpec
+
+log = logging.getLogger("raylane")
+
+METRIC = "train_samples_per_s"
+
+
+@dataclass
+class TrialOutcome:
+    candidate: Candidate
+    status: str  # "ok", "stopped early", "failed", "rejected"
+    samples_per_s: float | None = None
+    peak_rss_mb: float | None = None
+    epochs: int = 0
+    detail: str = ""
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return int(self.candidate.overrides["parallelism.workers"])
+
+
+@dataclass
+class SearchOutcome:
+    trials: list[TrialOutcome]
+    pruned: list[Pruned]
+    wall_s: float
+
+    @property
+    def ranked(self) -> list[TrialOutcome]:
+        measured = [t for t in self.trials if t.samples_per_s is not None]
+        order = {"ok": 0, "stopped early": 1, "rejected": 2, "failed": 3}
+        return sorted(measured, key=lambda t: (order[t.status], -t.samples_per_s)) + [
+            t for t in self.trials if t.samples_per_s is None
+        ]
+
+    @property
+    def winner(self) -> TrialOutcome | None:
+        return next((t for t in self.ranked if t.status == "ok"), None)
+
+
+def _scheduler(spec: TuneSpec):
+    if spec.scheduler.kind == "none":
+        return None
+    from ray.tune.schedulers import ASHAScheduler
+
+    return ASHAScheduler(
+        time_attr="training_iteration",
+        max_t=spec.trial.epochs,
+        grace_period=min(spec.scheduler.grace_period, spec.trial.epochs),
+        reduction_factor=spec.scheduler.reduction_factor,
+    )
+
+
+def _judge(spec: TuneSpec, candidate: Candidate, result) -> TrialOutcome:
+    """Throughput (median of measured epochs) and whether the trial may win."""
+    if result.error is not None:
+        message = str(result.error).strip().splitlines()
+        return TrialOutcome(candidate, "failed", detail=_last_error_line(message))
+    frame = result.metrics_dataframe
+    if frame is None or METRIC not in frame or frame.empty:
+        return TrialOutcome(candidate, "failed", detail="reported no metrics")
+    epochs = len(frame)
+    measured = frame[METRIC].iloc[spec.trial.warmup_epochs :].tolist() or frame[METRIC].tolist()
+    outcome = TrialOutcome(
+        candidate,
+        "ok",
+        samples_per_s=statistics.median(measured),
+        peak_rss_mb=float(frame["peak_rss_mb"].max()),
+        epochs=epochs,
+        metrics={k: float(v) for k, v in frame.iloc[-1].items() if _is_number(v)},
+    )
+    if epochs < spec.trial.epochs:
+        outcome.status, outcome.detail = "stopped early", f"ASHA stopped it after {epochs} epochs"
+    losses = frame["train_loss"].tolist()
+    if spec.constraints.require_falling_loss and not losses[-1] < losses[0]:
+        outcome.status = "rejected"
+        outcome.detail = f"loss did not fall ({losses[0]:.4f} -> {losses[-1]:.4f})"
+    elif outcome.peak_rss_mb > spec.constraints.memory_mb_per_worker:
+        outcome.status = "rejected"
+        outcome.detail = (
+            f"peak worker memory {outcome.peak_rss_mb:.0f} MB over the "
+            f"{spec.constraints.memory_mb_per_worker:.0f} MB budget"
+        )
+    return outcome
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _last_error_line(lines: list[str]) -> str:
+    meaningful = [line.strip() for line in lines if line.strip() and "^" not in line]
+    return meaningful[-1][:300] if meaningful else "unknown error"
+
+
+def run_search(spec: TuneSpec) -> SearchOutcome:
+    """Measure every valid candidate, one trial at a time, with ASHA early stopping.
+
+    Trials never overlap: on a small cluster, concurrent trials share cores and their measured
+    throughputs would rank the layouts wrongly.
+    """
+    from ray import tune
+
+    from raylane.data import ensure_dataset
+    from raylane.tune.trial import trial_driver
+
+    candidates, pruned = enumerate_candidates(spec)
+    log.info("%d candidate layouts to measure, %d pruned", len(candidates), len(pruned))
+    for item in pruned:
+        log.info("pruned %s: %s", item.candidate.key, item.reason)
+    if not candidates:
+        return SearchOutcome([], pruned, 0.0)
+    ensure_dataset(trial_config(spec, candidates[0]))
+
+    by_key = {c.key: c for c in candidates}
+    space = {
+        "key": tune.grid_search(list(by_key)),
+        "config": tune.sample_from(
+            lambda s: trial_config(spec, by_key[s.config["key"]]).model_dump(mode="json")
+        ),
+    }
+    start = time.perf_counter()
+    tuner = tune.Tuner(
+        # The driver only waits on its Train workers: a sliver of CPU, so workers can start.
+        tune.with_resources(trial_driver, {"CPU": 0.01}),
+        param_space=space,
+        tune_config=tune.TuneConfig(
+            metric=METRIC,
+            mode="max",
+            scheduler=_scheduler(spec),
+            max_concurrent_trials=1,
+        ),
+        run_config=tune.RunConfig(
+            name=f"{spec.experiment}-{time.strftime('%Y%m%d-%H%M%S')}",
+            storage_path=str(spec.storage_path.resolve()),
+            verbose=1,
+        ),
+    )
+    grid = tuner.fit()
+    wall_s = time.perf_counter() - start
+    trials = [_judge(spec, by_key[result.config["key"]], result) for result in grid]
+    return SearchOutcome(trials, pruned, wall_s)

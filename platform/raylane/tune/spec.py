@@ -1,0 +1,122 @@
+"""The search specification (`configs/tune/*.yaml`): base run, dimensions, constraints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from raylane.config import ConfigError
+from raylane.config.loader import _format_validation_error
+from raylane.config.schema import StrictModel
+
+
+class SearchSpace(StrictModel):
+    strategy: list[Literal["ddp", "pipeline", "hybrid"]] = Field(
+        default_factory=lambda: ["ddp", "pipeline", "hybrid"],
+        min_length=1,
+        description="Strategies to try.",
+    )
+    workers: list[int] = Field(
+        default_factory=lambda: [1, 2, 4], min_length=1, description="World sizes to try."
+    )
+    pp: list[int] = Field(
+        default_factory=lambda: [2], min_length=1, description="Pipeline stages (pipelined)."
+    )
+    microbatches: list[int] = Field(
+        default_factory=lambda: [4, 8], min_length=1, description="Micro-batches (pipelined)."
+    )
+    batch_size: list[int] = Field(
+        default_factory=lambda: [32], min_length=1, description="Rows per step per replica."
+    )
+    grad_compression: list[Literal["none", "fp16", "bf16", "powersgd"]] = Field(
+        default_factory=lambda: ["none"], min_length=1, description="DDP gradient compression."
+    )
+    activation_checkpointing: list[bool] = Field(
+        default_factory=lambda: [False], min_length=1, description="Recompute activations."
+    )
+    extra: dict[str, list[Any]] = Field(
+        default_factory=dict,
+        description="Any other config fields to search, as dotted key -> values "
+        "(e.g. training.lr: [0.001, 0.003]).",
+    )
+
+
+class Constraints(StrictModel):
+    cpus: float = Field(2.0, gt=0, description="CPUs a trial's workers may reserve in total.")
+    cpus_per_worker: float = Field(0.5, gt=0, description="CPUs each trial worker reserves.")
+    memory_mb_per_worker: float = Field(
+        4096, gt=0, description="Largest worker resident memory (MB) a winner may use."
+    )
+    require_falling_loss: bool = Field(
+        True, description="A winner's training loss must fall over its trial."
+    )
+
+
+class TrialSettings(StrictModel):
+    epochs: int = Field(3, ge=2, description="Measured epochs per trial (the first warms up).")
+    steps_per_epoch: int = Field(6, ge=1, description="Optimizer steps per trial epoch.")
+    warmup_epochs: int = Field(1, ge=0, description="Epochs left out of the throughput.")
+
+    @model_validator(mode="after")
+    def _check_warmup(self) -> TrialSettings:
+        if self.warmup_epochs >= self.epochs:
+            raise ValueError(
+                f"warmup_epochs ({self.warmup_epochs}) leaves no measured epoch of {self.epochs}"
+            )
+        return self
+
+
+class SchedulerSettings(StrictModel):
+    kind: Literal["asha", "none"] = Field(
+        "asha", description="'asha' stops clearly slower trials early; 'none' runs all fully."
+    )
+    grace_period: int = Field(2, ge=1, description="Epochs every trial runs before a cut.")
+    reduction_factor: float = Field(2.0, gt=1, description="ASHA keeps 1/rf at each rung.")
+
+
+class TuneSpec(StrictModel):
+    experiment: str = Field(..., min_length=1, description="MLflow experiment of the search.")
+    base: Path = Field(..., description="Training config every trial starts from.")
+    base_overrides: list[str] = Field(
+        default_factory=list, description="key.path=value applied to every trial and the winner."
+    )
+    search: SearchSpace = Field(default_factory=SearchSpace, description="Dimensions.")
+    constraints: Constraints = Field(default_factory=Constraints, description="Budgets.")
+    trial: TrialSettings = Field(default_factory=TrialSettings, description="Trial length.")
+    scheduler: SchedulerSettings = Field(
+        default_factory=SchedulerSettings, description="Early stopping."
+    )
+    output_dir: Path = Field(
+        Path("configs/generated"), description="Where the winner's YAML and the CSV go."
+    )
+    storage_path: Path = Field(Path("runs/tune"), description="Ray Tune/Train run state.")
+    tracking_uri: str | None = Field(
+        None, description="MLflow tracking URI (default as for training)."
+    )
+
+
+def load_spec(path: str | Path, overrides: list[str] | None = None) -> TuneSpec:
+    """Read and validate a search spec; ConfigError names the file and the field."""
+    from raylane.config.loader import _apply_override, parse_overrides
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: search spec not found")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError:
+        raise ConfigError(f"{path}: not valid YAML") from None
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections")
+    for dotted, value in parse_overrides(overrides).items():
+        _apply_override(tree, dotted, value, str(path))
+    try:
+        spec = TuneSpec.model_validate(tree)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(str(path), exc)) from None
+    if not spec.base.is_file():
+        raise ConfigError(f"{path}: base: {spec.base} not found")
+    return spec

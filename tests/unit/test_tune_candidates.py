@@ -1,0 +1,102 @@
+from pathlib import Path
+
+import pytest
+
+from raylane.config import ConfigError
+from raylane.tune.candidates import enumerate_candidates, trial_config
+from raylane.tune.spec import TuneSpec, load_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _spec(**search) -> TuneSpec:
+    budget = search.pop("cpus", 2.0)
+    return TuneSpec.model_validate(
+        {
+            "experiment": "t",
+            "base": str(ROOT / "configs" / "train" / "lm_pipeline.yaml"),
+            "search": {"batch_size": [32], **search},
+            "constraints": {"cpus": budget, "cpus_per_worker": 0.5},
+        }
+    )
+
+
+def _layouts(candidates):
+    return sorted(
+        (
+            c.overrides["parallelism.strategy"],
+            c.overrides["parallelism.dp"],
+            c.overrides["parallelism.pp"],
+            c.overrides["parallelism.microbatches"],
+        )
+        for c in candidates
+    )
+
+
+def test_valid_layouts_for_a_four_worker_budget_are_exactly_these():
+    spec = _spec(strategy=["ddp", "pipeline", "hybrid"], workers=[1, 2, 3, 4], pp=[2, 4],
+                 microbatches=[1, 2, 4])  # fmt: skip
+    valid, pruned = enumerate_candidates(spec)
+    assert _layouts(valid) == [
+        ("ddp", 1, 1, 1),
+        ("ddp", 2, 1, 1),
+        ("ddp", 3, 1, 1),
+        ("ddp", 4, 1, 1),
+        ("hybrid", 2, 2, 2),
+        ("hybrid", 2, 2, 4),
+        ("pipeline", 1, 2, 2),
+        ("pipeline", 1, 2, 4),
+        ("pipeline", 1, 4, 4),
+    ]
+    reasons = {p.candidate.key: p.reason for p in pruned}
+    assert "microbatches (1) must be at least pp (2)" in reasons["pipeline-w2-dp1xpp2-m1-b32"]
+    assert "microbatches (2) must be at least pp (4)" in reasons["pipeline-w4-dp1xpp4-m2-b32"]
+    assert "use 'hybrid' for dp > 1" in reasons["pipeline-w4-dp2xpp2-m4-b32"]
+    assert "hybrid' needs dp >= 2" in reasons["hybrid-w4-dp1xpp4-m4-b32"]
+    assert "needs pp >= 2" in reasons["pipeline-w3-dp3xpp1-m2-b32"]
+    assert all(reason for reason in reasons.values())
+
+
+def test_cpu_budget_prunes_large_worker_groups_with_the_numbers():
+    valid, pruned = enumerate_candidates(_spec(strategy=["ddp"], workers=[2, 4], cpus=1.0))
+    assert _layouts(valid) == [("ddp", 2, 1, 1)]
+    (item,) = pruned
+    assert item.reason == "needs 2 CPUs (4 workers x 0.5), budget is 1"
+
+
+def test_compression_is_pruned_where_nothing_is_all_reduced_through_ddp():
+    valid, pruned = enumerate_candidates(
+        _spec(
+            strategy=["ddp", "pipeline"],
+            workers=[1, 2],
+            microbatches=[2],
+            grad_compression=["none", "powersgd"],
+        )  # fmt: skip
+    )
+    assert "ddp-w2-dp2xpp1-m1-b32-powersgd" in {c.key for c in valid}
+    reasons = {p.candidate.key: p.reason for p in pruned}
+    assert reasons["ddp-w1-dp1xpp1-m1-b32-powersgd"] == (
+        "one worker all-reduces no gradients: nothing to compress"
+    )
+    assert "does not use DDP" in reasons["pipeline-w2-dp1xpp2-m2-b32-powersgd"]
+
+
+def test_extra_dimensions_and_trial_length_reach_the_config():
+    spec = _spec(strategy=["ddp"], workers=[2], extra={"training.lr": [0.001, 0.01]})
+    valid, _ = enumerate_candidates(spec)
+    assert sorted(c.overrides["training.lr"] for c in valid) == [0.001, 0.01]
+    cfg = trial_config(spec, valid[0])
+    assert cfg.training.epochs == spec.trial.epochs
+    assert cfg.training.steps_per_epoch == spec.trial.steps_per_epoch
+    full = trial_config(spec, valid[0], for_trial=False)
+    assert full.training.steps_per_epoch is None and full.training.epochs == 3
+
+
+def test_shipped_spec_validates_and_bad_specs_name_the_field(tmp_path):
+    load_spec(ROOT / "configs" / "tune" / "parallelism.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("experiment: x\nbase: configs/train/lm_pipeline.yaml\ntrial: {epochs: 1}\n")
+    with pytest.raises(ConfigError, match="trial.epochs: Input should be greater than or equal"):
+        load_spec(bad)
+    with pytest.raises(ConfigError, match="warmup_epochs \\(2\\) leaves no measured epoch of 2"):
+        load_spec(bad, ["trial.epochs=2", "trial.warmup_epochs=2"])
