@@ -35,6 +35,7 @@ format: install
 bench: install
 	$(BIN)/python benchmarks/train_overhead.py
 	$(BIN)/python benchmarks/pipeline_bubble.py
+	$(BIN)/python benchmarks/tune_vs_grid.py
 
 clean:
 	rm -rf runs data mlruns mlartifacts mlflow.db .pytest_cache

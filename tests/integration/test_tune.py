@@ -29,7 +29,7 @@ def search(ray_cluster, workspace):
             ],
             "search": {
                 "strategy": ["ddp"],
-                "workers": [1, 2],
+                "workers": [1, 2, 8],  # 8 x 0.5 CPU is over the 2-CPU budget: pruned
                 "batch_size": [16],
                 # A checkpoint that does not exist: that trial fails at run time.
                 "extra": {"training.resume_from": [None, str(workspace.root / "missing")]},

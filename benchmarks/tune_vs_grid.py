@@ -1,0 +1,102 @@
+"""The planner (Ray Tune + ASHA) against an exhaustive grid of the same valid layouts.
+
+Side by side in one run, on one fixed search space over the byte-level GPT: the grid measures
+every valid layout for the full trial length (no early stopping); the planner measures the same
+layouts with ASHA stopping clearly slower ones early. Both run one trial at a time on the same
+local Ray. best_ratio = the grid's full-length throughput of the planner's pick / the grid's
+best throughput (the same measurement for both, so noise between runs does not enter);
+cost_ratio = planner wall time / grid wall time. The last line is one JSON object.
+
+    python benchmarks/tune_vs_grid.py [--epochs 6] [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+
+from raylane.tune.search import run_search
+from raylane.tune.spec import TuneSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def make_spec(workdir: Path, epochs: int, steps: int, scheduler: str) -> TuneSpec:
+    return TuneSpec.model_validate(
+        {
+            "experiment": f"bench-{scheduler}",
+            "base": str(ROOT / "configs" / "train" / "lm_pipeline.yaml"),
+            "base_overrides": [
+                "data.max_bytes=131072",
+                f"data.train_path={workdir}/data/train.parquet",
+                f"data.validation_path={workdir}/data/validation.parquet",
+            ],
+            "search": {
+                "strategy": ["ddp", "pipeline"],
+                "workers": [1, 2],
+                "microbatches": [4, 8],
+                "batch_size": [16, 32],
+                "grad_compression": ["none"],
+            },
+            "trial": {"epochs": epochs, "steps_per_epoch": steps, "warmup_epochs": 1},
+            "scheduler": {"kind": scheduler, "grace_period": 2, "reduction_factor": 3},
+            "output_dir": str(workdir / "out"),
+            "storage_path": str(workdir / f"runs-{scheduler}"),
+            "tracking_uri": f"sqlite:///{workdir}/mlflow.db",
+        }
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--epochs", type=int, default=6, help="Full trial length (epochs).")
+    parser.add_argument("--steps", type=int, default=6, help="Steps per epoch.")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+
+    import ray
+
+    from raylane.tune.report import print_table
+
+    console = Console(stderr=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        ray.init(num_cpus=2, logging_level="ERROR", log_to_driver=False)
+        try:
+            grid = run_search(make_spec(workdir, args.epochs, args.steps, "none"))
+            planner = run_search(make_spec(workdir, args.epochs, args.steps, "asha"))
+        finally:
+            ray.shutdown()
+    print_table(grid, console)
+    print_table(planner, console)
+
+    grid_rate = {t.candidate.key: t.samples_per_s for t in grid.trials if t.status == "ok"}
+    best_key = max(grid_rate, key=grid_rate.get)
+    pick = planner.winner
+    figures = {
+        "layouts": len(grid.trials),
+        "grid_best": best_key,
+        "grid_best_samples_per_s": round(grid_rate[best_key], 1),
+        "planner_pick": pick.candidate.key,
+        "planner_pick_samples_per_s_in_grid": round(grid_rate[pick.candidate.key], 1),
+        "planner_pick_samples_per_s_own_trial": round(pick.samples_per_s, 1),
+        "planner_stopped_early": sum(t.status == "stopped early" for t in planner.trials),
+        "grid_wall_s": round(grid.wall_s, 1),
+        "planner_wall_s": round(planner.wall_s, 1),
+        "best_ratio": round(grid_rate[pick.candidate.key] / grid_rate[best_key], 3),
+        "cost_ratio": round(planner.wall_s / grid.wall_s, 3),
+    }
+    print(
+        f"grid: {figures['layouts']} layouts in {figures['grid_wall_s']} s, best {best_key}; "
+        f"planner: {figures['planner_wall_s']} s, pick {pick.candidate.key}"
+    )
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
