@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from raylane.config.schema import RaylaneConfig
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class ConfigError(ValueError):
@@ -58,18 +60,22 @@ def _format_validation_error(source: str, exc: ValidationError) -> str:
     return f"{source}: " + "; ".join(problems)
 
 
-def validate_config(tree: dict[str, Any], source: str = "<config>") -> RaylaneConfig:
+def validate_config(
+    tree: dict[str, Any], source: str = "<config>", schema: type[M] = RaylaneConfig
+) -> M:
     """Validate a config mapping; raise ConfigError with a one-line message on failure."""
     try:
-        return RaylaneConfig.model_validate(tree)
+        return schema.model_validate(tree)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(source, exc)) from None
 
 
 def load_config(
-    path: str | Path, overrides: dict[str, Any] | list[str] | None = None
-) -> RaylaneConfig:
-    """Read `path`, apply overrides, and validate.
+    path: str | Path,
+    overrides: dict[str, Any] | list[str] | None = None,
+    schema: type[M] = RaylaneConfig,
+) -> M:
+    """Read `path`, apply overrides, and validate against `schema` (a run config by default).
 
     Raises:
         ConfigError: the file is missing or unreadable, is not a YAML mapping, or does not
@@ -90,7 +96,7 @@ def load_config(
         raise ConfigError(f"{path}: expected a mapping of sections, got {type(tree).__name__}")
     for dotted, value in (overrides or {}).items():
         _apply_override(tree, dotted, value, str(path))
-    return validate_config(tree, str(path))
+    return validate_config(tree, str(path), schema)
 
 
 def config_to_yaml(config: RaylaneConfig) -> str:

@@ -5,11 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-from raylane.config import ConfigError
-from raylane.config.loader import _format_validation_error
+from raylane.config import ConfigError, load_config
 from raylane.config.schema import StrictModel
 
 
@@ -100,23 +98,7 @@ class TuneSpec(StrictModel):
 
 def load_spec(path: str | Path, overrides: list[str] | None = None) -> TuneSpec:
     """Read and validate a search spec; ConfigError names the file and the field."""
-    from raylane.config.loader import _apply_override, parse_overrides
-
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"{path}: search spec not found")
-    try:
-        tree = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError:
-        raise ConfigError(f"{path}: not valid YAML") from None
-    if not isinstance(tree, dict):
-        raise ConfigError(f"{path}: expected a mapping of sections")
-    for dotted, value in parse_overrides(overrides).items():
-        _apply_override(tree, dotted, value, str(path))
-    try:
-        spec = TuneSpec.model_validate(tree)
-    except ValidationError as exc:
-        raise ConfigError(_format_validation_error(str(path), exc)) from None
+    spec = load_config(path, overrides, schema=TuneSpec)
     if not spec.base.is_file():
         raise ConfigError(f"{path}: base: {spec.base} not found")
     return spec
