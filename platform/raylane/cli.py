@@ -92,10 +92,11 @@ def train(config: ConfigOption = DEFAULT_CONFIG, overrides: SetOption = None) ->
     _setup_logging()
     cfg = _load(config, overrides)
     from raylane.runtime import connect_ray, disconnect_ray
-    from raylane.train.job import run_training
+    from raylane.train.job import preflight, run_training
 
     started = False
     try:
+        preflight(cfg)  # data and tracking store, before Ray starts
         started = connect_ray()
         outcome = run_training(cfg)
     except _user_errors() as exc:

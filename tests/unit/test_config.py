@@ -203,3 +203,25 @@ def test_uneven_split_points_are_accepted_and_described():
         "stage 0: embeddings, blocks 0-0 (x1 replicas)",
         "stage 1: blocks 1-2, norm + head (x1 replicas)",
     ]
+
+
+def test_unreachable_tracking_server_stops_training_before_ray_starts(tmp_path):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed once the block ends: nothing listens there
+    uri = f"http://127.0.0.1:{port}"
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "raylane.cli", "train", "--config", str(REFERENCE),
+            "--set", f"tracking.tracking_uri={uri}",
+            "--set", f"data.train_path={tmp_path}/train.parquet",
+            "--set", f"data.validation_path={tmp_path}/validation.parquet",
+        ],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: MLflow tracking server {uri} is unreachable (ConnectionError)"]
+    assert "Traceback" not in result.stderr and "Started a local Ray" not in result.stderr

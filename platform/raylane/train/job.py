@@ -30,6 +30,21 @@ def new_run_name(experiment: str) -> str:
     return f"{experiment}-{datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
 
 
+def preflight(cfg: RaylaneConfig) -> str:
+    """Everything that can fail cheaply, checked before any compute is spent: the resume
+    checkpoint, the dataset (prepared if built in), the tracking store. Returns its URI."""
+    from raylane.data import ensure_dataset
+    from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
+
+    if cfg.training.resume_from is not None:
+        check_resumable(cfg.training.resume_from)
+    train_info, val_info = ensure_dataset(cfg)
+    log.info("data: %d training rows, %d validation rows", train_info.rows, val_info.rows)
+    tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
+    check_tracking_reachable(tracking_uri)
+    return tracking_uri
+
+
 def check_resumable(directory: Path) -> None:
     """Refuse, before Ray starts, a resume path that holds no checkpoint."""
     from raylane.data import DataError
@@ -57,22 +72,16 @@ def run_training(cfg: RaylaneConfig) -> TrainingOutcome:
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from raylane.data import dataset_digest, ensure_dataset
+    from raylane.data import dataset_digest
     from raylane.data.parquet import read_rows
     from raylane.data.ray_datasets import read_datasets
     from raylane.runtime import connect_ray
-    from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
     from raylane.tracking.cluster import snapshot_cluster
     from raylane.tracking.registry import register_if_better
     from raylane.tracking.runs import log_run_context, log_trained_model
     from raylane.train.trainer import build_trainer
 
-    if cfg.training.resume_from is not None:
-        check_resumable(cfg.training.resume_from)
-    train_info, val_info = ensure_dataset(cfg)
-    log.info("data: %d training rows, %d validation rows", train_info.rows, val_info.rows)
-    tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
-    check_tracking_reachable(tracking_uri)
+    tracking_uri = preflight(cfg)
     digest = dataset_digest(cfg.data.train_path, cfg.data.validation_path)
 
     connect_ray()
