@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "configs" / "train" / "digits_ddp.yaml"
 BIN = Path(sys.executable).parent
+SECOND_NODE_RESOURCE = "node_b"
 
 
 def free_port() -> int:
@@ -50,7 +53,9 @@ class Workspace:
 
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
-    """A head node started with `ray start`, token authentication on, 4 logical CPUs.
+    """A real two-node cluster on this machine: a head (`ray start --head`, 4 logical CPUs)
+    and a second node (`ray start --address`, 2 CPUs and the custom resource `node_b`), with
+    token authentication on.
 
     The token lives in a file of this session (RAY_AUTH_TOKEN_PATH), so tests neither read nor
     write ~/.ray/auth_token. The test process and every client it starts share that setting.
@@ -84,11 +89,25 @@ def ray_cluster(tmp_path_factory):
         timeout=120,
     )
     address = f"127.0.0.1:{gcs_port}"
+    subprocess.run(
+        [
+            ray_cli,
+            "start",
+            f"--address={address}",
+            "--num-cpus=2",
+            f"--resources={json.dumps({SECOND_NODE_RESOURCE: 2})}",
+            "--disable-usage-stats",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     # Imported only now: Ray reads RAY_AUTH_MODE once, when it is first imported.
     import ray
 
     try:
         ray.init(address=address, logging_level="WARNING")
+        _wait_for_nodes(ray, 2)
         yield RayCluster(
             address=address,
             dashboard_url=f"http://127.0.0.1:{dashboard_port}",
@@ -103,6 +122,14 @@ def ray_cluster(tmp_path_factory):
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+
+
+def _wait_for_nodes(ray, count: int, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while sum(node["Alive"] for node in ray.nodes()) < count:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the cluster did not reach {count} nodes in {timeout_s:.0f} s")
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="session")

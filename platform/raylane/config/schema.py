@@ -257,6 +257,11 @@ class ServingConfig(StrictModel):
         0.01, ge=0, description="How long a batch waits to fill before it runs anyway."
     )
     replica_cpus: float = Field(0.5, gt=0, description="CPUs each model replica reserves.")
+    replica_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each model replica reserves, to place replicas on a "
+        "node type (e.g. {serving: 1} with nodes started with --resources='{\"serving\": 4}').",
+    )
     max_ongoing_requests: int = Field(
         64, ge=1, description="Requests a replica accepts at once (should exceed max_batch_size)."
     )

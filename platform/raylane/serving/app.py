@@ -20,7 +20,10 @@ def build_app(cfg: RaylaneConfig, tracking_uri: str):
     serving = cfg.serving
     scaling = serving.autoscaling
     model = ModelReplica.options(
-        ray_actor_options={"num_cpus": serving.replica_cpus},
+        ray_actor_options={
+            "num_cpus": serving.replica_cpus,
+            "resources": dict(serving.replica_resources),
+        },
         max_ongoing_requests=serving.max_ongoing_requests,
         autoscaling_config={
             "min_replicas": scaling.min_replicas,

@@ -19,6 +19,7 @@ from raylane.config.loader import config_to_yaml, flatten
 CONFIG_ARTIFACT = "config/resolved.yaml"
 SNAPSHOT_ARTIFACT = "cluster/snapshot.json"
 LAYOUT_ARTIFACT = "parallel/stage_layout.txt"
+PLACEMENT_ARTIFACT = "parallel/placement.json"
 
 
 def log_run_context(cfg: RaylaneConfig, snapshot: dict[str, Any], dataset_digest: str) -> None:
@@ -70,6 +71,10 @@ class EpochLogger:
     def __init__(self, tracking_uri: str, run_id: str):
         self._client = MlflowClient(tracking_uri=tracking_uri)
         self._run_id = run_id
+
+    def log_placement(self, placement: list[dict]) -> None:
+        """Which node (and process) each rank runs on: the layout as it really was."""
+        self._client.log_dict(self._run_id, {"ranks": placement}, PLACEMENT_ARTIFACT)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)

@@ -121,6 +121,23 @@ def _evaluate(strategy, model, shard, cfg):
     return loss_sum / max(count, 1), correct / max(count, 1)
 
 
+def _gather_placement(rank: int) -> list[dict]:
+    """Every rank's Ray node id, host and pid (collective: every rank calls)."""
+    import socket
+
+    mine = {
+        "rank": rank,
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+    }
+    if not (dist.is_available() and dist.is_initialized()):
+        return [mine]
+    gathered: list[dict] = [{} for _ in range(dist.get_world_size())]
+    dist.all_gather_object(gathered, mine)
+    return gathered
+
+
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Train the configured model on this worker's data, reporting once per epoch.
 
@@ -154,11 +171,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 Path(directory), strategy.unwrap_model(model), optimizer, strategy.checkpoint_part
             )
 
+    placement = _gather_placement(rank)
     epoch_logger = None
     if rank == 0 and loop_config.get("run_id"):
         from raylane.tracking.runs import EpochLogger
 
         epoch_logger = EpochLogger(loop_config["tracking_uri"], loop_config["run_id"])
+        epoch_logger.log_placement(placement)
 
     train_shard = ray.train.get_dataset_shard("train")
     validation_shard = ray.train.get_dataset_shard("validation")

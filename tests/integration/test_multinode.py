@@ -1,0 +1,50 @@
+"""Training across the session cluster's two nodes, and targeting a node type by resource."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ray
+from mlflow.tracking import MlflowClient
+
+from raylane.config import load_config
+from raylane.train.job import run_training
+
+from .conftest import REFERENCE, SECOND_NODE_RESOURCE
+
+
+def _run(workspace, *overrides: str):
+    cfg = load_config(
+        REFERENCE,
+        workspace.overrides(
+            "training.epochs=1", "tracking.registered_model=raylane-digits-multinode", *overrides
+        ),
+    )
+    outcome = run_training(cfg)
+    client = MlflowClient(tracking_uri=workspace.tracking_uri)
+
+    def artifact(path: str) -> dict:
+        return json.loads(Path(client.download_artifacts(outcome.run_id, path)).read_text())
+
+    return artifact("parallel/placement.json")["ranks"], artifact("cluster/snapshot.json")
+
+
+def test_ddp_workers_spread_over_both_nodes_and_the_run_records_them(ray_cluster, workspace):
+    placement, snapshot = _run(workspace, "parallel.placement_strategy=STRICT_SPREAD")
+    worker_nodes = {rank["node_id"] for rank in placement}
+    assert len(placement) == 2 and len(worker_nodes) == 2
+    assert worker_nodes == {node["node_id"] for node in snapshot["nodes"]}
+
+
+def test_workers_target_a_node_type_by_custom_resource(ray_cluster, workspace):
+    placement, _ = _run(
+        workspace,
+        f"parallelism.resources_per_worker={{CPU: 0.5, {SECOND_NODE_RESOURCE}: 1}}",
+    )
+    (second,) = [
+        node["NodeID"]
+        for node in ray.nodes()
+        if node["Alive"] and SECOND_NODE_RESOURCE in node["Resources"]
+    ]
+    assert [rank["node_id"] for rank in placement] == [second, second]
