@@ -92,11 +92,11 @@ def train(config: ConfigOption = DEFAULT_CONFIG, overrides: SetOption = None) ->
     _setup_logging()
     cfg = _load(config, overrides)
     from raylane.runtime import connect_ray, disconnect_ray
-    from raylane.train.job import preflight, run_training
+    from raylane.train.job import check_run_inputs, run_training
 
     started = False
     try:
-        preflight(cfg)  # data and tracking store, before Ray starts
+        check_run_inputs(cfg)  # resume checkpoint and tracking store, before Ray starts
         started = connect_ray()
         outcome = run_training(cfg)
     except _user_errors() as exc:

@@ -8,6 +8,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,6 +20,15 @@ ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = ROOT / "configs" / "train" / "digits_ddp.yaml"
 BIN = Path(sys.executable).parent
 SECOND_NODE_RESOURCE = "node_b"
+
+# Ray reads RAY_AUTH_MODE once, when it is first imported, and test modules import Ray at
+# collection: token authentication is configured here, before any of them. The token lives in a
+# file of this session (RAY_AUTH_TOKEN_PATH), so tests neither read nor write ~/.ray/auth_token;
+# the test process and every client it starts share it.
+TOKEN_DIR = Path(tempfile.mkdtemp(prefix="raylane-test-auth-"))
+TOKEN_PATH = TOKEN_DIR / "auth_token"
+TOKEN_PATH.write_text(uuid.uuid4().hex)
+os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(TOKEN_PATH))
 
 
 def free_port() -> int:
@@ -52,24 +62,12 @@ class Workspace:
 
 
 @pytest.fixture(scope="session")
-def ray_cluster(tmp_path_factory):
-    """A real two-node cluster on this machine: a head (`ray start --head`, 4 logical CPUs)
-    and a second node (`ray start --address`, 2 CPUs and the custom resource `node_b`), with
-    token authentication on.
-
-    The token lives in a file of this session (RAY_AUTH_TOKEN_PATH), so tests neither read nor
-    write ~/.ray/auth_token. The test process and every client it starts share that setting.
-    """
-    tmp = tmp_path_factory.mktemp("ray")
-    token_path = tmp / "auth_token"
-    token_path.write_text(uuid.uuid4().hex)
-    saved = {k: os.environ.get(k) for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN_PATH", "PATH")}
-    os.environ.update(
-        RAY_AUTH_MODE="token",
-        RAY_AUTH_TOKEN_PATH=str(token_path),
-        # Jobs run with the `python` found on PATH when the head started: this venv's.
-        PATH=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-    )
+def ray_cluster():
+    """A head node started with `ray start --head` (4 logical CPUs), token authentication on
+    (see TOKEN_PATH above). `second_node` adds a node for the tests that need two."""
+    saved_path = os.environ.get("PATH", "")
+    # Jobs run with the `python` found on PATH when the head started: this venv's.
+    os.environ["PATH"] = f"{BIN}{os.pathsep}{saved_path}"
     gcs_port, dashboard_port = free_port(), free_port()
     ray_cli = str(BIN / "ray")
     subprocess.run(
@@ -89,47 +87,61 @@ def ray_cluster(tmp_path_factory):
         timeout=120,
     )
     address = f"127.0.0.1:{gcs_port}"
-    subprocess.run(
-        [
-            ray_cli,
-            "start",
-            f"--address={address}",
-            "--num-cpus=2",
-            f"--resources={json.dumps({SECOND_NODE_RESOURCE: 2})}",
-            "--disable-usage-stats",
-        ],
-        check=True,
-        capture_output=True,
-        timeout=120,
-    )
-    # Imported only now: Ray reads RAY_AUTH_MODE once, when it is first imported.
     import ray
 
     try:
         ray.init(address=address, logging_level="WARNING")
-        _wait_for_nodes(ray, 2)
         yield RayCluster(
             address=address,
             dashboard_url=f"http://127.0.0.1:{dashboard_port}",
-            token_path=token_path,
+            token_path=TOKEN_PATH,
             client_env=dict(os.environ),
         )
     finally:
         ray.shutdown()
         subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=120)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        os.environ["PATH"] = saved_path
+        shutil.rmtree(TOKEN_DIR, ignore_errors=True)
 
 
-def _wait_for_nodes(ray, count: int, timeout_s: float = 60.0) -> None:
+def _wait_for_nodes(ray, count: int, timeout_s: float = 90.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while sum(node["Alive"] for node in ray.nodes()) < count:
+    while sum(node["Alive"] for node in ray.nodes()) != count:
         if time.monotonic() > deadline:
             raise TimeoutError(f"the cluster did not reach {count} nodes in {timeout_s:.0f} s")
         time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def second_node(ray_cluster):
+    """A second real node (`ray start --address`, 2 CPUs, custom resource `node_b`) joined to
+    the session cluster for one test module, then stopped."""
+    import ray
+
+    process = subprocess.Popen(
+        [
+            str(BIN / "ray"),
+            "start",
+            f"--address={ray_cluster.address}",
+            "--num-cpus=2",
+            f"--resources={json.dumps({SECOND_NODE_RESOURCE: 2})}",
+            "--disable-usage-stats",
+            "--block",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        _wait_for_nodes(ray, 2)
+        yield next(
+            node["NodeID"]
+            for node in ray.nodes()
+            if node["Alive"] and SECOND_NODE_RESOURCE in node["Resources"]
+        )
+    finally:
+        process.terminate()
+        process.wait(timeout=120)
+        _wait_for_nodes(ray, 1)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import ray
 from mlflow.tracking import MlflowClient
 
 from raylane.config import load_config
@@ -30,21 +29,17 @@ def _run(workspace, *overrides: str):
     return artifact("parallel/placement.json")["ranks"], artifact("cluster/snapshot.json")
 
 
-def test_ddp_workers_spread_over_both_nodes_and_the_run_records_them(ray_cluster, workspace):
-    placement, snapshot = _run(workspace, "parallel.placement_strategy=STRICT_SPREAD")
+def test_ddp_workers_spread_over_both_nodes_and_the_run_records_them(second_node, workspace):
+    placement, snapshot = _run(workspace, "parallelism.placement_strategy=STRICT_SPREAD")
     worker_nodes = {rank["node_id"] for rank in placement}
     assert len(placement) == 2 and len(worker_nodes) == 2
     assert worker_nodes == {node["node_id"] for node in snapshot["nodes"]}
+    assert second_node in worker_nodes
 
 
-def test_workers_target_a_node_type_by_custom_resource(ray_cluster, workspace):
+def test_workers_target_a_node_type_by_custom_resource(second_node, workspace):
     placement, _ = _run(
         workspace,
         f"parallelism.resources_per_worker={{CPU: 0.5, {SECOND_NODE_RESOURCE}: 1}}",
     )
-    (second,) = [
-        node["NodeID"]
-        for node in ray.nodes()
-        if node["Alive"] and SECOND_NODE_RESOURCE in node["Resources"]
-    ]
-    assert [rank["node_id"] for rank in placement] == [second, second]
+    assert [rank["node_id"] for rank in placement] == [second_node, second_node]

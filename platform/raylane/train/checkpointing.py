@@ -36,7 +36,10 @@ def save_checkpoint(
     directory.mkdir(parents=True, exist_ok=True)
     torch.save(model.state_dict(), directory / _model_file(part))
     torch.save(optimizer.state_dict(), directory / _optimizer_file(part))
-    (directory / META_FILE).write_text(json.dumps({"epoch": epoch, "metrics": metrics}))
+    if part == 0:
+        # One writer: Ray Train merges the parts' directories, and two meta files written into
+        # the same place would corrupt each other.
+        (directory / META_FILE).write_text(json.dumps({"epoch": epoch, "metrics": metrics}))
 
 
 def load_model_state(directory: Path) -> dict:

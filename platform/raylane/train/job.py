@@ -30,18 +30,26 @@ def new_run_name(experiment: str) -> str:
     return f"{experiment}-{datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
 
 
-def preflight(cfg: RaylaneConfig) -> str:
-    """Everything that can fail cheaply, checked before any compute is spent: the resume
-    checkpoint, the dataset (prepared if built in), the tracking store. Returns its URI."""
-    from raylane.data import ensure_dataset
+def check_run_inputs(cfg: RaylaneConfig) -> str:
+    """The resume checkpoint and the tracking store; returns the store's URI. Cheap and
+    import-light, so the CLI runs it before Ray starts."""
     from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
 
     if cfg.training.resume_from is not None:
         check_resumable(cfg.training.resume_from)
-    train_info, val_info = ensure_dataset(cfg)
-    log.info("data: %d training rows, %d validation rows", train_info.rows, val_info.rows)
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     check_tracking_reachable(tracking_uri)
+    return tracking_uri
+
+
+def preflight(cfg: RaylaneConfig) -> str:
+    """Everything that can fail before compute is spent: the run inputs above, then the
+    dataset (prepared if built in). Returns the tracking URI."""
+    from raylane.data import ensure_dataset
+
+    tracking_uri = check_run_inputs(cfg)
+    train_info, val_info = ensure_dataset(cfg)
+    log.info("data: %d training rows, %d validation rows", train_info.rows, val_info.rows)
     return tracking_uri
 
 
