@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 
 from mlflow.tracking import MlflowClient
 
@@ -22,14 +23,21 @@ def _submit(cluster, env, *entrypoint: str, runtime_env: dict | None = None):
     ]
     if runtime_env:
         command += ["--runtime-env-json", json.dumps(runtime_env)]
-    return subprocess.run(
-        [*command, "--", *entrypoint],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
+    # Right after `ray start` the head's job agent may not be up yet; Ray answers "No available
+    # agent to submit job, please try again later", and a client is expected to retry.
+    for _ in range(24):
+        result = subprocess.run(
+            [*command, "--", *entrypoint],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=ROOT,
+        )
+        if "No available agent" not in result.stdout + result.stderr:
+            return result
+        time.sleep(5)
+    return result
 
 
 def test_submitted_training_job_succeeds_and_lands_in_mlflow(ray_cluster, workspace):

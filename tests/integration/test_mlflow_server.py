@@ -1,8 +1,9 @@
-"""A real `mlflow server` (SQL backend, served artifacts): a training job logs, registers and
-aliases over HTTP, with its rank-0 worker reaching the server too."""
+"""A real `mlflow server` (SQL backend, served artifacts): a training job spread over two nodes
+logs, registers and aliases over HTTP; its rank-0 worker reaches the server from its node."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -52,11 +53,13 @@ def mlflow_server(tmp_path_factory):
         process.wait(timeout=30)
 
 
-def test_training_job_logs_registers_and_aliases_over_http(ray_cluster, workspace, mlflow_server):
+def test_training_job_logs_registers_and_aliases_over_http(second_node, workspace, mlflow_server):
     cfg = load_config(
         REFERENCE,
         [
-            *workspace.overrides("training.epochs=2"),
+            *workspace.overrides(
+                "training.epochs=2", "parallelism.placement_strategy=STRICT_SPREAD"
+            ),
             f"tracking.tracking_uri={mlflow_server}",
             "tracking.registered_model=raylane-digits-server",
         ],
@@ -70,3 +73,6 @@ def test_training_job_logs_registers_and_aliases_over_http(ray_cluster, workspac
     assert champion.run_id == outcome.run_id
     paths = {a.path for a in client.list_artifacts(outcome.run_id, "cluster")}
     assert "cluster/snapshot.json" in paths
+    placement = client.download_artifacts(outcome.run_id, "parallel/placement.json")
+    nodes = {rank["node_id"] for rank in json.loads(Path(placement).read_text())["ranks"]}
+    assert len(nodes) == 2 and second_node in nodes
