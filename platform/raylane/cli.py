@@ -58,9 +58,10 @@ def _load(config: Path, overrides: list[str] | None) -> RaylaneConfig:
 def _user_errors() -> tuple[type[Exception], ...]:
     from raylane.data import DataError
     from raylane.inference import ModelNotFoundError
+    from raylane.serving.guard import ApiKeyError
     from raylane.tracking import TrackingError
 
-    return (ConfigError, DataError, ModelNotFoundError, TrackingError)
+    return (ConfigError, DataError, ModelNotFoundError, TrackingError, ApiKeyError)
 
 
 @app.command()
@@ -117,17 +118,29 @@ def _print_outcome(cfg: RaylaneConfig, outcome) -> None:
     console.print(table)
 
 
+VersionOption = Annotated[
+    int | None,
+    typer.Option(
+        "--version",
+        min=1,
+        help="Registry version to serve (default: the champion alias's). On a running app this "
+        "rolls replicas onto it without dropping requests; rolling back is the same command.",
+    ),
+]
+
+
 @app.command()
 def deploy(
     config: ConfigOption = DEFAULT_CONFIG,
     overrides: SetOption = None,
+    version: VersionOption = None,
     detach: Annotated[
         bool, typer.Option(help="Return once deployed, leaving the app on the cluster.")
     ] = False,
 ) -> None:
-    """Serve the champion model over the Open Inference Protocol (blocks until Ctrl-C)."""
+    """Serve a registered model over the Open Inference Protocol (blocks until Ctrl-C)."""
     _setup_logging()
-    cfg = _load(config, overrides)
+    cfg = _load(config, [*(overrides or []), *_version_override(version)])
     from raylane.runtime import connect_ray, disconnect_ray
     from raylane.serving.app import deploy as deploy_app
 
@@ -135,7 +148,8 @@ def deploy(
         raise _fail("--detach needs a running cluster (set RAY_ADDRESS); a local Ray ends with us")
     started = connect_ray()
     try:
-        url = deploy_app(cfg)
+        url, served = deploy_app(cfg)
+        console.print(f"serving {cfg.tracking.registered_model} v{served}", highlight=False)
         console.print(f"endpoint: {url}/v2/models/{cfg.serving.model_name}/infer  docs: {url}/docs")
         if not detach:
             _block_until_interrupted()
@@ -145,6 +159,74 @@ def deploy(
         if not detach:
             _shutdown_serve()
         disconnect_ray(started)
+
+
+def _version_override(version: int | None) -> list[str]:
+    return [] if version is None else [f"serving.model_version={version}"]
+
+
+@app.command()
+def promote(
+    version: Annotated[int, typer.Argument(min=1, help="Registry version to give the alias.")],
+    config: ConfigOption = DEFAULT_CONFIG,
+    overrides: SetOption = None,
+) -> None:
+    """Move the champion alias to VERSION; a running app (at $RAY_ADDRESS) rolls onto it."""
+    _setup_logging()
+    cfg = _load(config, overrides)
+    from mlflow.tracking import MlflowClient
+
+    from raylane.inference import resolve_version
+    from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
+
+    tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
+    name, alias = cfg.tracking.registered_model, cfg.tracking.champion_alias
+    try:
+        check_tracking_reachable(tracking_uri)
+        client = MlflowClient(tracking_uri=tracking_uri)
+        resolve_version(client, tracking_uri, name, alias, version)
+        client.set_registered_model_alias(name, alias, str(version))
+    except _user_errors() as exc:
+        raise _fail(str(exc)) from None
+    console.print(f"{name}@{alias} -> v{version}", highlight=False)
+    if not _cluster_address():
+        console.print("no RAY_ADDRESS: no running app to roll (the next deploy serves it)")
+        return
+    from raylane.runtime import connect_ray, disconnect_ray
+    from raylane.serving.app import APP_NAME, running_app_names
+    from raylane.serving.app import deploy as deploy_app
+
+    started = connect_ray()
+    try:
+        if APP_NAME not in running_app_names():
+            console.print(f"no {APP_NAME!r} Serve app on the cluster: nothing to roll")
+            return
+        url, served = deploy_app(cfg)
+        console.print(f"{url} now serves v{served}", highlight=False)
+    except _user_errors() as exc:
+        raise _fail(str(exc)) from None
+    finally:
+        disconnect_ray(started)
+
+
+@app.command()
+def status(config: ConfigOption = DEFAULT_CONFIG, overrides: SetOption = None) -> None:
+    """Serve applications, deployments, replica counts and served model versions (needs
+    RAY_ADDRESS: a running cluster)."""
+    cfg = _load(config, overrides)
+    if not _cluster_address():
+        raise _fail("status needs a running cluster: set RAY_ADDRESS (e.g. 127.0.0.1:6379)")
+    from raylane.runtime import connect_ray, disconnect_ray
+    from raylane.serving.status import collect_status, render_status
+
+    started = connect_ray()
+    try:
+        report = collect_status(cfg)
+    except _user_errors() as exc:
+        raise _fail(str(exc)) from None
+    finally:
+        disconnect_ray(started)
+    Console().print(render_status(report))
 
 
 def _cluster_address() -> str | None:

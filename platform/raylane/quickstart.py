@@ -9,10 +9,13 @@ from rich.table import Table
 from raylane.config import RaylaneConfig
 
 
-def query_endpoint(url: str, model_name: str, rows: np.ndarray) -> tuple[list[int], str]:
+def query_endpoint(
+    url: str, model_name: str, rows: np.ndarray, api_key: str | None = None
+) -> tuple[list[int], str]:
     """Send rows over real HTTP to the v2 infer route; return predicted labels and version."""
     import httpx
 
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     body = {
         "id": "quickstart",
         "inputs": [
@@ -24,7 +27,9 @@ def query_endpoint(url: str, model_name: str, rows: np.ndarray) -> tuple[list[in
             }
         ],
     }
-    response = httpx.post(f"{url}/v2/models/{model_name}/infer", json=body, timeout=30)
+    response = httpx.post(
+        f"{url}/v2/models/{model_name}/infer", json=body, headers=headers, timeout=30
+    )
     if response.status_code != 200:
         raise RuntimeError(f"{url} answered {response.status_code}: {response.text[:300]}")
     payload = response.json()
@@ -39,6 +44,7 @@ def run_quickstart(cfg: RaylaneConfig, rows: int, console: Console) -> None:
     from raylane.data.parquet import read_rows
     from raylane.runtime import connect_ray, disconnect_ray
     from raylane.serving.app import deploy
+    from raylane.serving.guard import load_api_key
     from raylane.train.job import run_training
 
     console.rule("[1/4] prepare data")
@@ -53,10 +59,11 @@ def run_quickstart(cfg: RaylaneConfig, rows: int, console: Console) -> None:
             highlight=False,
         )
         console.rule("[3/4] deploy the champion on Ray Serve")
-        url = deploy(cfg)
+        url, _ = deploy(cfg)
         console.rule("[4/4] inference over HTTP")
         features, truth = read_rows(cfg.data.validation_path, cfg, limit=rows)
-        predicted, version = query_endpoint(url, cfg.serving.model_name, features)
+        key = load_api_key(cfg.serving.api_key_env, cfg.serving.api_key_file)
+        predicted, version = query_endpoint(url, cfg.serving.model_name, features, key)
         table = Table(title=f"{url}/v2/models/{cfg.serving.model_name}/infer (version {version})")
         table.add_column("row", justify="right")
         table.add_column("predicted", justify="right")

@@ -41,6 +41,7 @@ def free_port() -> int:
 class RayCluster:
     address: str
     dashboard_url: str
+    metrics_url: str
     token_path: Path
     client_env: dict[str, str] = field(repr=False)
 
@@ -68,7 +69,7 @@ def ray_cluster():
     saved_path = os.environ.get("PATH", "")
     # Jobs run with the `python` found on PATH when the head started: this venv's.
     os.environ["PATH"] = f"{BIN}{os.pathsep}{saved_path}"
-    gcs_port, dashboard_port = free_port(), free_port()
+    gcs_port, dashboard_port, metrics_port = free_port(), free_port(), free_port()
     ray_cli = str(BIN / "ray")
     subprocess.run(
         [
@@ -79,6 +80,7 @@ def ray_cluster():
             f"--port={gcs_port}",
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dashboard_port}",
+            f"--metrics-export-port={metrics_port}",
             "--num-cpus=4",
             "--disable-usage-stats",
         ],
@@ -94,6 +96,7 @@ def ray_cluster():
         yield RayCluster(
             address=address,
             dashboard_url=f"http://127.0.0.1:{dashboard_port}",
+            metrics_url=f"http://127.0.0.1:{metrics_port}/metrics",
             token_path=TOKEN_PATH,
             client_env=dict(os.environ),
         )

@@ -111,7 +111,7 @@ def lm_endpoint(pipeline_run, hybrid_run, workspace):
     cfg = load_config(
         CONFIGS / "lm_pipeline.yaml", _lm_overrides(workspace, f"serving.port={free_port()}")
     )
-    url = deploy(cfg)
+    url, _ = deploy(cfg)
     try:
         yield cfg, url
     finally:

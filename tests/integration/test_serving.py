@@ -31,7 +31,7 @@ def endpoint(trained, workspace):
             "serving.batch_wait_timeout_s=0.05",
         ),
     )
-    url = deploy(cfg)
+    url, _ = deploy(cfg)
     try:
         yield url
     finally:

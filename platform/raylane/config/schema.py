@@ -265,6 +265,43 @@ class ServingConfig(StrictModel):
     max_ongoing_requests: int = Field(
         64, ge=1, description="Requests a replica accepts at once (should exceed max_batch_size)."
     )
+    max_queued_requests: int = Field(
+        128,
+        ge=-1,
+        description="Requests the proxy holds for the model beyond what replicas accept; past "
+        "it a request gets 503 with Retry-After at once. -1 queues without limit.",
+    )
+    retry_after_s: float = Field(
+        1.0, ge=0, description="Retry-After (seconds) sent with a 503 for a full queue."
+    )
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above it)."
+    )
+    api_key_env: str = Field(
+        "RAYLANE_API_KEY",
+        min_length=1,
+        description="Environment variable holding the API key. When it (or api_key_file) gives "
+        "a key, inference routes need `Authorization: Bearer <key>`; health routes stay open.",
+    )
+    api_key_file: Path | None = Field(
+        None, description="File holding the API key (a mounted secret); wins over api_key_env."
+    )
+    model_version: int | None = Field(
+        None,
+        ge=1,
+        description="Registry version to serve. Unset: the version holding the champion alias "
+        "when deploying. Deploying another version rolls the running app onto it.",
+    )
+    surge_percent: int = Field(
+        100,
+        ge=0,
+        le=100,
+        description="Extra replicas started during an upgrade (percent of the current count): "
+        "old replicas serve until the new ones are ready. 0 stops old ones first.",
+    )
+    log_encoding: Literal["JSON", "TEXT"] = Field(
+        "JSON", description="Replica log format; JSON access logs carry request ids."
+    )
     autoscaling: AutoscalingConfig = Field(
         default_factory=AutoscalingConfig, description="Replica autoscaling."
     )
@@ -276,6 +313,8 @@ class ServingConfig(StrictModel):
                 f"max_ongoing_requests ({self.max_ongoing_requests}) is smaller than "
                 f"max_batch_size ({self.max_batch_size}): batches could never fill"
             )
+        if self.max_queued_requests == 0:
+            raise ValueError("max_queued_requests is 0: use -1 for no limit, or a positive bound")
         return self
 
 

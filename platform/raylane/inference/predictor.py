@@ -34,28 +34,23 @@ class Predictor:
         self.card = card
 
     @classmethod
-    def from_registry(cls, tracking_uri: str, registered_model: str, alias: str) -> Predictor:
-        """Resolve `alias` to a version once, then load exactly that version."""
+    def from_registry(
+        cls, tracking_uri: str, registered_model: str, alias: str, version: int | None = None
+    ) -> Predictor:
+        """Load `version` if given, else resolve `alias` to a version once and load that."""
         import mlflow
         from mlflow.tracking import MlflowClient
 
-        from raylane.tracking.registry import champion_version
-
         client = MlflowClient(tracking_uri=tracking_uri)
-        version = champion_version(client, registered_model, alias)
-        if version is None:
-            raise ModelNotFoundError(
-                f"no version of registered model {registered_model!r} has alias {alias!r} in "
-                f"{tracking_uri}; train one first (raylane train)"
-            )
+        found = resolve_version(client, tracking_uri, registered_model, alias, version)
         mlflow.set_tracking_uri(tracking_uri)
-        uri = f"models:/{registered_model}/{version.version}"
+        uri = f"models:/{registered_model}/{found.version}"
         model = mlflow.pytorch.load_model(uri, map_location="cpu")
         input_dim, num_classes, input_dtype = _signature_dims(uri)
         card = ModelCard(
             registered_model,
-            int(version.version),
-            version.run_id,
+            int(found.version),
+            found.run_id,
             input_dim,
             num_classes,
             input_dtype,
@@ -74,6 +69,32 @@ class Predictor:
         if outputs.ndim == 3:
             outputs = outputs[:, -1, :]
         return outputs.numpy()
+
+
+def resolve_version(client, tracking_uri: str, name: str, alias: str, version: int | None = None):
+    """The registry's ModelVersion for `version`, or for the one holding `alias`.
+
+    Raises:
+        ModelNotFoundError: with a message naming the model, version or alias, and the store.
+    """
+    from mlflow.exceptions import MlflowException
+
+    from raylane.tracking.registry import champion_version
+
+    if version is not None:
+        try:
+            return client.get_model_version(name, str(version))
+        except MlflowException:
+            raise ModelNotFoundError(
+                f"registered model {name!r} has no version {version} in {tracking_uri}"
+            ) from None
+    found = champion_version(client, name, alias)
+    if found is None:
+        raise ModelNotFoundError(
+            f"no version of registered model {name!r} has alias {alias!r} in "
+            f"{tracking_uri}; train one first (raylane train)"
+        )
+    return found
 
 
 def _signature_dims(model_uri: str) -> tuple[int, int, str]:

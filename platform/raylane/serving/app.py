@@ -6,8 +6,12 @@ import logging
 import time
 from typing import Any
 
+from ray.serve.config import BackpressureConfig
+from ray.serve.schema import LoggingConfig
+
 from raylane.config import RaylaneConfig, load_config
-from raylane.serving.deployments import InferenceAPI, ModelReplica
+from raylane.serving.deployments import InferenceServer
+from raylane.serving.guard import key_digest, load_api_key
 
 log = logging.getLogger("raylane")
 
@@ -15,16 +19,26 @@ APP_NAME = "raylane"
 DEFAULT_CONFIG = "configs/train/digits_ddp.yaml"
 
 
-def build_app(cfg: RaylaneConfig, tracking_uri: str):
-    """Ingress -> batched model deployment, with batching and autoscaling from `cfg.serving`."""
+def build_app(cfg: RaylaneConfig, tracking_uri: str, version: int):
+    """The model deployment serving registry `version`, configured from `cfg.serving`.
+
+    The API key is read here, on the deploying side; replicas get only its digest.
+    """
     serving = cfg.serving
     scaling = serving.autoscaling
-    model = ModelReplica.options(
+    key = load_api_key(serving.api_key_env, serving.api_key_file)
+    return InferenceServer.options(
         ray_actor_options={
             "num_cpus": serving.replica_cpus,
             "resources": dict(serving.replica_resources),
         },
         max_ongoing_requests=serving.max_ongoing_requests,
+        max_queued_requests=serving.max_queued_requests,
+        backpressure_config=BackpressureConfig(
+            status_code=503, retry_after_s=serving.retry_after_s
+        ),
+        max_surge_percent=serving.surge_percent,
+        logging_config=LoggingConfig(encoding=serving.log_encoding, enable_access_log=True),
         autoscaling_config={
             "min_replicas": scaling.min_replicas,
             "initial_replicas": max(1, scaling.min_replicas),
@@ -36,12 +50,34 @@ def build_app(cfg: RaylaneConfig, tracking_uri: str):
     ).bind(
         tracking_uri,
         cfg.tracking.registered_model,
-        cfg.tracking.champion_alias,
+        version,
+        serving.model_name,
         serving.max_batch_size,
         serving.batch_wait_timeout_s,
+        key_digest(key),
+        serving.max_body_bytes,
         max(1, int(serving.replica_cpus)),
     )
-    return InferenceAPI.options(ray_actor_options={"num_cpus": 0.1}).bind(model, serving.model_name)
+
+
+def resolve_served_version(cfg: RaylaneConfig, tracking_uri: str) -> int:
+    """`serving.model_version` if pinned, else the version holding the champion alias now.
+
+    Raises:
+        ModelNotFoundError: the pinned version or the alias does not exist.
+    """
+    from mlflow.tracking import MlflowClient
+
+    from raylane.inference import resolve_version
+
+    found = resolve_version(
+        MlflowClient(tracking_uri=tracking_uri),
+        tracking_uri,
+        cfg.tracking.registered_model,
+        cfg.tracking.champion_alias,
+        cfg.serving.model_version,
+    )
+    return int(found.version)
 
 
 def app_builder(args: dict[str, Any]):
@@ -53,7 +89,8 @@ def app_builder(args: dict[str, Any]):
     from raylane.tracking import resolve_tracking_uri
 
     cfg = load_config(args.get("config", DEFAULT_CONFIG), list(args.get("overrides", [])))
-    return build_app(cfg, resolve_tracking_uri(cfg.tracking.tracking_uri))
+    tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
+    return build_app(cfg, tracking_uri, resolve_served_version(cfg, tracking_uri))
 
 
 def endpoint_url(cfg: RaylaneConfig) -> str:
@@ -61,46 +98,65 @@ def endpoint_url(cfg: RaylaneConfig) -> str:
     return f"http://{host}:{cfg.serving.port}"
 
 
-def wait_until_ready(url: str, timeout_s: float = 120.0) -> None:
-    """Poll the readiness route until the model replica answers."""
+def wait_until_serving(
+    url: str, model_name: str, version: int, api_key: str | None = None, timeout_s: float = 180.0
+) -> None:
+    """Poll the model's metadata until it answers with `version` (old replicas may still
+    answer for a moment while a rollout finishes)."""
     import httpx
 
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            if httpx.get(f"{url}/v2/health/ready", timeout=10).status_code == 200:
+            response = httpx.get(f"{url}/v2/models/{model_name}", headers=headers, timeout=10)
+            if response.status_code == 200 and response.json()["versions"] == [str(version)]:
                 return
         except httpx.HTTPError:
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{url} did not become ready within {timeout_s:.0f} s")
+            raise TimeoutError(f"{url} did not serve version {version} within {timeout_s:.0f} s")
         time.sleep(0.5)
 
 
-def deploy(cfg: RaylaneConfig) -> str:
-    """Start Serve on the connected cluster, deploy the champion, wait until it answers.
+def deploy(cfg: RaylaneConfig) -> tuple[str, int]:
+    """Deploy (or roll the running app onto) the chosen version; wait until it answers.
+
+    With the app already running, Serve starts replicas of the new version, moves traffic to
+    them once they are ready and drains the old ones: requests keep being answered throughout.
+    Returns the endpoint URL and the version deployed.
 
     Raises:
-        ModelNotFoundError: no version holds the champion alias (checked before deploying).
+        ModelNotFoundError: the pinned version or the champion alias does not exist (checked
+            before anything is deployed).
+        ApiKeyError: `serving.api_key_file` is set but unreadable or empty.
     """
-    from mlflow.tracking import MlflowClient
     from ray import serve
 
-    from raylane.inference import ModelNotFoundError
     from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
-    from raylane.tracking.registry import champion_version
 
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     check_tracking_reachable(tracking_uri)
-    name, alias = cfg.tracking.registered_model, cfg.tracking.champion_alias
-    if champion_version(MlflowClient(tracking_uri=tracking_uri), name, alias) is None:
-        raise ModelNotFoundError(
-            f"no version of registered model {name!r} has alias {alias!r} in {tracking_uri}; "
-            "train one first (raylane train)"
-        )
+    version = resolve_served_version(cfg, tracking_uri)
+    app = build_app(cfg, tracking_uri, version)
     serve.start(http_options={"host": cfg.serving.host, "port": cfg.serving.port})
-    serve.run(build_app(cfg, tracking_uri), name=APP_NAME, route_prefix="/", blocking=False)
+    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     url = endpoint_url(cfg)
-    wait_until_ready(url)
-    log.info("serving %s@%s at %s", name, alias, url)
-    return url
+    wait_until_serving(
+        url,
+        cfg.serving.model_name,
+        version,
+        load_api_key(cfg.serving.api_key_env, cfg.serving.api_key_file),
+    )
+    log.info("serving %s v%d at %s", cfg.tracking.registered_model, version, url)
+    return url, version
+
+
+def running_app_names() -> set[str]:
+    """Serve applications on the connected cluster (empty when Serve is not running)."""
+    from ray import serve
+
+    try:
+        return set(serve.status().applications)
+    except Exception:  # noqa: BLE001 - no Serve controller yet means no applications
+        return set()

@@ -1,0 +1,260 @@
+"""The raylane Serve endpoint against what a user would write instead, under the same load.
+
+Side by side in one run, one wide MLP (64 -> 4 x 2048 -> 10, trained briefly on digits and
+registered in a throw-away MLflow store; a single-row forward costs a few milliseconds), one
+torch thread for the model in every setup:
+
+  (b) plain FastAPI + uvicorn, one process, one forward per request (benchmarks/plain_fastapi.py);
+  (c) the bare model's in-process forward on full batches (`--batch-size` rows): the ceiling;
+  (a) the raylane Serve application (`raylane.serving.app.deploy`, one replica, batched).
+
+(a) and (b) get the same closed-loop load: `--clients` keep-alive connections from
+raylane.serving.loadgen on 127.0.0.1, one row per request, for `--seconds` (after a warm-up)
+or `--max-requests`. The table gives throughput, p50/p95/p99 latency, mean batch size and the
+load generator's own CPU share; the last line is one JSON object with the ratios.
+
+    python benchmarks/serve_load.py [--clients 32] [--seconds 15] [--batch-size 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "bench-mlp"
+HIDDEN = "[2048,2048,2048,2048]"
+
+
+def bench_config(workdir: Path, args, port: int):
+    from raylane.config import load_config
+
+    return load_config(
+        ROOT / "configs" / "train" / "digits_ddp.yaml",
+        [
+            "experiment=serve-load",
+            f"tracking.tracking_uri=sqlite:///{workdir}/mlflow.db",
+            f"tracking.registered_model={MODEL}",
+            f"model.hidden_sizes={HIDDEN}",
+            f"serving.model_name={MODEL}",
+            f"serving.port={port}",
+            f"serving.max_batch_size={args.batch_size}",
+            f"serving.batch_wait_timeout_s={args.batch_wait}",
+            f"serving.max_ongoing_requests={max(args.batch_size, args.clients) * 2}",
+            "serving.replica_cpus=1",
+            "serving.autoscaling.min_replicas=1",
+            "serving.autoscaling.max_replicas=1",
+        ],
+    )
+
+
+def register_model(cfg) -> float:
+    """Train the wide MLP for two epochs on digits, log and register it; return accuracy."""
+    import mlflow
+    from sklearn.datasets import load_digits
+
+    from raylane.models import build_model
+    from raylane.tracking.runs import log_trained_model
+
+    torch.manual_seed(0)
+    digits = load_digits()
+    x = torch.tensor(digits.data, dtype=torch.float32)
+    y = torch.tensor(digits.target)
+    model = build_model(cfg.model)
+    optimiser = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        for start in range(0, len(x), 64):
+            loss = torch.nn.functional.cross_entropy(
+                model(x[start : start + 64]), y[start : start + 64]
+            )
+            optimiser.zero_grad()
+            loss.backward()
+            optimiser.step()
+    model.eval()
+    with torch.no_grad():
+        accuracy = float((model(x).argmax(1) == y).float().mean())
+    mlflow.set_tracking_uri(cfg.tracking.tracking_uri)
+    mlflow.set_experiment(cfg.experiment)
+    with mlflow.start_run(run_name="serve-load"):
+        info = log_trained_model(model, cfg, digits.data[:2].astype(np.float32))
+    client = mlflow.MlflowClient(cfg.tracking.tracking_uri)
+    client.set_registered_model_alias(MODEL, "champion", str(info.registered_model_version))
+    return accuracy
+
+
+def infer_body(row: np.ndarray) -> dict:
+    return {
+        "inputs": [
+            {"name": "features", "shape": [1, row.size], "datatype": "FP32", "data": row.tolist()}
+        ]
+    }
+
+
+def measure(url: str, body: dict, args):
+    from raylane.serving.loadgen import run_load
+
+    path = f"/v2/models/{MODEL}/infer"
+    warm = run_load(url, path, body, clients=args.clients, duration_s=2.0, max_requests=5_000)
+    if warm.statuses[200] == 0:
+        raise RuntimeError(f"{url} answered no request during warm-up: {dict(warm.statuses)}")
+    result = run_load(
+        url,
+        path,
+        body,
+        clients=args.clients,
+        duration_s=args.seconds,
+        max_requests=args.max_requests,
+    )
+    failed = result.requests - result.statuses[200] + len(result.failures)
+    if failed:
+        raise RuntimeError(f"{url}: {failed} failed requests ({dict(result.statuses)})")
+    return result
+
+
+def bare_forward(cfg, batch_size: int, seconds: float) -> tuple[float, float]:
+    """Samples/s of the registered model's forward on full batches, and the batch-1 ms."""
+    from raylane.inference import Predictor
+
+    torch.set_num_threads(1)
+    predictor = Predictor.from_registry(cfg.tracking.tracking_uri, MODEL, "champion")
+    batch = np.random.default_rng(0).uniform(0, 16, (batch_size, 64)).astype(np.float32)
+    single = batch[:1]
+    for _ in range(20):
+        predictor.predict(batch)
+    timings = []
+    for _ in range(200):
+        started = time.perf_counter()
+        predictor.predict(single)
+        timings.append(time.perf_counter() - started)
+    single_ms = 1000 * float(np.median(timings))
+    count, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        predictor.predict(batch)
+        count += 1
+    return count * batch_size / (time.perf_counter() - started), single_ms
+
+
+def plain_fastapi(cfg, args, port: int):
+    env = {
+        **os.environ,
+        "RAYLANE_BENCH_TRACKING_URI": cfg.tracking.tracking_uri,
+        "RAYLANE_BENCH_MODEL": MODEL,
+        "RAYLANE_BENCH_TORCH_THREADS": "1",
+    }
+    uvicorn = [sys.executable, "-m", "uvicorn", "benchmarks.plain_fastapi:app", "--log-level"]
+    server = subprocess.Popen(
+        [*uvicorn, "warning", "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT, env=env
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_for_port(port, server)
+        return measure(url, infer_body(args.row), args)
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def _wait_for_port(port: int, server: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the plain FastAPI server exited ({server.returncode})")
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.3)
+    raise TimeoutError(f"nothing listened on port {port} within {timeout_s:.0f} s")
+
+
+def raylane_serve(cfg, args):
+    import httpx
+    import ray
+    from ray import serve
+
+    from raylane.runtime import connect_ray
+    from raylane.serving.app import deploy
+
+    connect_ray()
+    try:
+        url, _ = deploy(cfg)
+        stats_url = f"{url}/v2/models/{MODEL}/stats"
+        before = httpx.get(stats_url).json()["model_stats"][0]
+        result = measure(url, infer_body(args.row), args)
+        after = httpx.get(stats_url).json()["model_stats"][0]
+        batches = after["batches"] - before["batches"]
+        mean_batch = (after["requests"] - before["requests"]) / batches if batches else 0.0
+        return result, mean_batch
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--seconds", type=float, default=15.0)
+    parser.add_argument("--max-requests", type=int, default=60_000)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--batch-wait", type=float, default=0.005)
+    args = parser.parse_args()
+    from raylane.serving.loadgen import LoadResult
+    from tests.integration.conftest import free_port
+
+    with tempfile.TemporaryDirectory(prefix="raylane-serve-load-") as tmp:
+        workdir = Path(tmp)
+        cfg = bench_config(workdir, args, free_port())
+        accuracy = register_model(cfg)
+        print(f"model: MLP 64 -> {HIDDEN} -> 10, training accuracy {accuracy:.3f}", flush=True)
+        args.row = np.random.default_rng(1).uniform(0, 16, 64).astype(np.float32)
+
+        plain = plain_fastapi(cfg, args, free_port())
+        bare_rate, single_ms = bare_forward(cfg, args.batch_size, seconds=5.0)
+        served, mean_batch = raylane_serve(cfg, args)
+
+    def row(name: str, result: LoadResult | None, rate: float, batch: float) -> str:
+        if result is None:
+            return f"{name:<28} {rate:>9.0f} {'-':>8} {'-':>8} {'-':>8} {batch:>6.1f} {'-':>7}"
+        return (
+            f"{name:<28} {rate:>9.0f} {result.percentile_ms(50):>8.1f} "
+            f"{result.percentile_ms(95):>8.1f} {result.percentile_ms(99):>8.1f} {batch:>6.1f} "
+            f"{result.client_cpu_share:>7.0%}"
+        )
+
+    print(f"\n{args.clients} clients, one row per request, single-row forward {single_ms:.2f} ms")
+    print(
+        f"{'setup':<28} {'rows/s':>9} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'batch':>6} "
+        f"{'client':>7}"
+    )
+    print(row("(a) raylane Serve", served, served.throughput, mean_batch))
+    print(row("(b) plain FastAPI", plain, plain.throughput, 1.0))
+    print(row("(c) bare batched forward", None, bare_rate, float(args.batch_size)))
+    print(
+        json.dumps(
+            {
+                "serve_rows_per_s": round(served.throughput, 1),
+                "fastapi_rows_per_s": round(plain.throughput, 1),
+                "bare_rows_per_s": round(bare_rate, 1),
+                "serve_vs_fastapi": round(served.throughput / plain.throughput, 3),
+                "serve_vs_bare": round(served.throughput / bare_rate, 3),
+                "p99_ms": round(served.percentile_ms(99), 1),
+                "fastapi_p99_ms": round(plain.percentile_ms(99), 1),
+                "mean_batch_size": round(mean_batch, 2),
+                "clients": args.clients,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

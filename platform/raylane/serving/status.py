@@ -1,0 +1,92 @@
+"""`raylane status`: what Serve runs on the cluster and which model versions answer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rich.table import Table
+
+from raylane.config import RaylaneConfig
+
+SAMPLES_PER_REPLICA = 4
+
+
+@dataclass
+class DeploymentRow:
+    app: str
+    app_status: str
+    deployment: str
+    status: str
+    replicas: dict[str, int]
+    versions: set[int] = field(default_factory=set)
+
+
+@dataclass
+class StatusReport:
+    rows: list[DeploymentRow]
+    alias: str
+    alias_version: int | None
+
+
+def collect_status(cfg: RaylaneConfig) -> StatusReport:
+    """Serve's own status, plus the versions replicas report and where the alias points.
+
+    Versions come from asking the model deployment several times per running replica, so
+    both sides of a rollout in progress show up.
+    """
+    from mlflow.tracking import MlflowClient
+    from ray import serve
+
+    from raylane.serving.app import APP_NAME
+    from raylane.tracking import resolve_tracking_uri
+    from raylane.tracking.registry import champion_version
+
+    rows = []
+    for app_name, app in serve.status().applications.items():
+        for name, deployment in app.deployments.items():
+            replicas = {
+                str(state.value): count for state, count in deployment.replica_states.items()
+            }
+            row = DeploymentRow(
+                app_name, str(app.status.value), name, str(deployment.status.value), replicas
+            )
+            running = replicas.get("RUNNING", 0)
+            if app_name == APP_NAME and name == "model" and running:
+                handle = serve.get_deployment_handle(name, app_name)
+                calls = [handle.statistics.remote() for _ in range(running * SAMPLES_PER_REPLICA)]
+                row.versions = {call.result(timeout_s=30)["version"] for call in calls}
+            rows.append(row)
+    tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
+    found = champion_version(
+        MlflowClient(tracking_uri=tracking_uri),
+        cfg.tracking.registered_model,
+        cfg.tracking.champion_alias,
+    )
+    return StatusReport(
+        rows, cfg.tracking.champion_alias, None if found is None else int(found.version)
+    )
+
+
+def render_status(report: StatusReport) -> Table:
+    alias = f"{report.alias} -> v{report.alias_version}" if report.alias_version else "unset"
+    table = Table(title=f"Serve applications (registry alias {alias})")
+    for column in (
+        "application",
+        "status",
+        "deployment",
+        "deployment status",
+        "replicas",
+        "serving",
+    ):
+        table.add_column(column)
+    for row in report.rows:
+        replicas = ", ".join(f"{count} {state.lower()}" for state, count in row.replicas.items())
+        versions = ", ".join(f"v{v}" for v in sorted(row.versions)) or "-"
+        if report.alias_version and row.versions and report.alias_version not in row.versions:
+            versions += " (alias moved: raylane deploy rolls onto it)"
+        table.add_row(
+            row.app, row.app_status, row.deployment, row.status, replicas or "0", versions
+        )
+    if not report.rows:
+        table.add_row("-", "no Serve applications", "", "", "", "")
+    return table
