@@ -36,6 +36,7 @@ bench: install
 	$(BIN)/python benchmarks/train_overhead.py
 	$(BIN)/python benchmarks/pipeline_bubble.py
 	$(BIN)/python benchmarks/tune_vs_grid.py
+	$(BIN)/python benchmarks/serve_load.py
 
 clean:
 	rm -rf runs data mlruns mlartifacts mlflow.db .pytest_cache

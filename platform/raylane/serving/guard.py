@@ -48,10 +48,6 @@ class GuardSettings:
     max_body_bytes: int = 4 * 1024 * 1024
 
 
-class _BodyTooLarge(Exception):
-    pass
-
-
 class RequestGuard:
     """Pure ASGI middleware (no per-request task or body copy, unlike BaseHTTPMiddleware).
 
@@ -83,28 +79,35 @@ class RequestGuard:
             return await _reply(send, 413, f"request body over the {limit}-byte limit")
 
         received = 0
-        started = False
+        started = rejected = False
 
         async def counted_receive():
-            nonlocal received
+            # Frameworks turn exceptions raised while reading the body into their own 400, so
+            # an over-long stream is answered here and the app sees the client as gone.
+            nonlocal received, rejected
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
-                    raise _BodyTooLarge
+                    if not started and not rejected:
+                        rejected = True
+                        await _reply(send, 413, f"request body over the {limit}-byte limit")
+                    return {"type": "http.disconnect"}
             return message
 
         async def tracked_send(message):
             nonlocal started
+            if rejected:
+                return
             if message["type"] == "http.response.start":
                 started = True
             await send(message)
 
         try:
             await self.app(scope, counted_receive, tracked_send)
-        except _BodyTooLarge:
-            if not started:
-                await _reply(send, 413, f"request body over the {limit}-byte limit")
+        except Exception:
+            if not rejected:  # after a 413 the app's complaint about the cut body is moot
+                raise
 
 
 def _needs_key(settings: GuardSettings, path: str) -> bool:
