@@ -113,7 +113,9 @@ def _running_replicas() -> int:
     from raylane.serving.app import APP_NAME
 
     states = serve.status().applications[APP_NAME].deployments["model"].replica_states
-    return sum(count for state, count in states.items() if str(state.value) == "RUNNING")
+    return sum(
+        count for state, count in states.items() if getattr(state, "value", state) == "RUNNING"
+    )
 
 
 def _wait_for(predicate, what: str, timeout_s: float = SETTLE_S) -> float:
@@ -171,7 +173,7 @@ def test_fuzzed_requests_never_get_a_5xx(endpoint):
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
 
             @settings(
-                max_examples=12,
+                max_examples=25,
                 deadline=None,
                 database=None,
                 derandomize=True,
@@ -190,7 +192,7 @@ def test_fuzzed_requests_never_get_a_5xx(endpoint):
             # Unsatisfiable: nothing in the operation to break (e.g. a GET without parameters).
             with contextlib.suppress(Unsatisfiable):
                 check()
-    assert len(calls) >= 60
+    assert len(calls) >= 40
     assert sum(call.endswith("/infer") for call, _ in calls) >= 12
     assert not server_errors, server_errors[:5]
     assert any(400 <= status < 500 for _, status in calls)  # the fuzzing reached the checks

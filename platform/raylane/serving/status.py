@@ -44,11 +44,9 @@ def collect_status(cfg: RaylaneConfig) -> StatusReport:
     rows = []
     for app_name, app in serve.status().applications.items():
         for name, deployment in app.deployments.items():
-            replicas = {
-                str(state.value): count for state, count in deployment.replica_states.items()
-            }
+            replicas = {_name(state): count for state, count in deployment.replica_states.items()}
             row = DeploymentRow(
-                app_name, str(app.status.value), name, str(deployment.status.value), replicas
+                app_name, _name(app.status), name, _name(deployment.status), replicas
             )
             running = replicas.get("RUNNING", 0)
             if app_name == APP_NAME and name == "model" and running:
@@ -65,6 +63,11 @@ def collect_status(cfg: RaylaneConfig) -> StatusReport:
     return StatusReport(
         rows, cfg.tracking.champion_alias, None if found is None else int(found.version)
     )
+
+
+def _name(state) -> str:
+    """Serve's status enums, or plain strings where it already gives those."""
+    return str(getattr(state, "value", state))
 
 
 def render_status(report: StatusReport) -> Table:
