@@ -57,6 +57,14 @@ def bench_config(workdir: Path, args, port: int):
     )
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def register_model(cfg) -> float:
     """Train the wide MLP for two epochs on digits, log and register it; return accuracy."""
     import mlflow
@@ -209,7 +217,6 @@ def main() -> None:
     parser.add_argument("--batch-wait", type=float, default=0.005)
     args = parser.parse_args()
     from raylane.serving.loadgen import LoadResult
-    from tests.integration.conftest import free_port
 
     with tempfile.TemporaryDirectory(prefix="raylane-serve-load-") as tmp:
         workdir = Path(tmp)

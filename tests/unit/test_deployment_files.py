@@ -65,7 +65,11 @@ def test_token_auth_is_on_and_no_secret_is_committed(compose):
         for line in (ROOT / ".env.example").read_text().splitlines()
         if line and not line.startswith("#")
     )
-    assert example == {"RAY_AUTH_TOKEN": "", "POSTGRES_PASSWORD": ""}
+    assert example == {"RAY_AUTH_TOKEN": "", "POSTGRES_PASSWORD": "", "RAYLANE_API_KEY": ""}
+    # The API key is optional (empty: no key), never a committed value.
+    assert compose["services"]["ray-head"]["environment"]["RAYLANE_API_KEY"] == (
+        "${RAYLANE_API_KEY:-}"
+    )
 
 
 def test_mlflow_server_is_locked_to_known_hosts_on_a_sql_backend(compose):
