@@ -43,8 +43,7 @@ def run_quickstart(cfg: RaylaneConfig, rows: int, console: Console) -> None:
     from raylane.data import ensure_dataset
     from raylane.data.parquet import read_rows
     from raylane.runtime import connect_ray, disconnect_ray
-    from raylane.serving.app import deploy
-    from raylane.serving.guard import load_api_key
+    from raylane.serving.app import deploy, load_api_key_for
     from raylane.train.job import run_training
 
     console.rule("[1/4] prepare data")
@@ -62,8 +61,9 @@ def run_quickstart(cfg: RaylaneConfig, rows: int, console: Console) -> None:
         url, _ = deploy(cfg)
         console.rule("[4/4] inference over HTTP")
         features, truth = read_rows(cfg.data.validation_path, cfg, limit=rows)
-        key = load_api_key(cfg.serving.api_key_env, cfg.serving.api_key_file)
-        predicted, version = query_endpoint(url, cfg.serving.model_name, features, key)
+        predicted, version = query_endpoint(
+            url, cfg.serving.model_name, features, load_api_key_for(cfg)
+        )
         table = Table(title=f"{url}/v2/models/{cfg.serving.model_name}/infer (version {version})")
         table.add_column("row", justify="right")
         table.add_column("predicted", justify="right")

@@ -19,14 +19,14 @@ APP_NAME = "raylane"
 DEFAULT_CONFIG = "configs/train/digits_ddp.yaml"
 
 
-def build_app(cfg: RaylaneConfig, tracking_uri: str, version: int):
+def build_app(cfg: RaylaneConfig, tracking_uri: str, version: int, api_key: str | None):
     """The model deployment serving registry `version`, configured from `cfg.serving`.
 
-    The API key is read here, on the deploying side; replicas get only its digest.
+    `api_key` (`load_api_key_for`, read on the deploying side) reaches replicas only as its
+    digest.
     """
     serving = cfg.serving
     scaling = serving.autoscaling
-    key = load_api_key(serving.api_key_env, serving.api_key_file)
     return InferenceServer.options(
         ray_actor_options={
             "num_cpus": serving.replica_cpus,
@@ -54,10 +54,15 @@ def build_app(cfg: RaylaneConfig, tracking_uri: str, version: int):
         serving.model_name,
         serving.max_batch_size,
         serving.batch_wait_timeout_s,
-        key_digest(key),
+        key_digest(api_key),
         serving.max_body_bytes,
         max(1, int(serving.replica_cpus)),
     )
+
+
+def load_api_key_for(cfg: RaylaneConfig) -> str | None:
+    """The endpoint's API key per `cfg.serving` (file, then environment), or None."""
+    return load_api_key(cfg.serving.api_key_env, cfg.serving.api_key_file)
 
 
 def resolve_served_version(cfg: RaylaneConfig, tracking_uri: str) -> int:
@@ -90,7 +95,8 @@ def app_builder(args: dict[str, Any]):
 
     cfg = load_config(args.get("config", DEFAULT_CONFIG), list(args.get("overrides", [])))
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
-    return build_app(cfg, tracking_uri, resolve_served_version(cfg, tracking_uri))
+    version = resolve_served_version(cfg, tracking_uri)
+    return build_app(cfg, tracking_uri, version, load_api_key_for(cfg))
 
 
 def endpoint_url(cfg: RaylaneConfig) -> str:
@@ -138,16 +144,12 @@ def deploy(cfg: RaylaneConfig) -> tuple[str, int]:
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     check_tracking_reachable(tracking_uri)
     version = resolve_served_version(cfg, tracking_uri)
-    app = build_app(cfg, tracking_uri, version)
+    api_key = load_api_key_for(cfg)
+    app = build_app(cfg, tracking_uri, version, api_key)
     serve.start(http_options={"host": cfg.serving.host, "port": cfg.serving.port})
     serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
     url = endpoint_url(cfg)
-    wait_until_serving(
-        url,
-        cfg.serving.model_name,
-        version,
-        load_api_key(cfg.serving.api_key_env, cfg.serving.api_key_file),
-    )
+    wait_until_serving(url, cfg.serving.model_name, version, api_key)
     log.info("serving %s v%d at %s", cfg.tracking.registered_model, version, url)
     return url, version
 

@@ -89,7 +89,9 @@ class InferenceServer:
         GUARD.key_digest = api_key_digest
         GUARD.max_body_bytes = max_body_bytes
         self.model_name = model_name
-        self.predictor = Predictor.from_registry(tracking_uri, registered_model, "", version)
+        self.predictor = Predictor.from_registry(
+            tracking_uri, registered_model, alias="", version=version
+        )
         self.predict_batch.set_max_batch_size(max_batch_size)
         self.predict_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
         self.batch_sizes: Counter[int] = Counter()

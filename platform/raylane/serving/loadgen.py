@@ -22,28 +22,33 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 @dataclass
 class LoadResult:
-    statuses: Counter[int] = field(default_factory=Counter)
-    latencies_s: list[float] = field(default_factory=list)
     # (finish time on time.monotonic's clock, status, latency s) for every answered request
     events: list[tuple[float, int, float]] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)  # connection errors, not HTTP statuses
-    bodies_by_status: dict[int, bytes] = field(default_factory=dict)  # one sample per status
-    headers_by_status: dict[int, dict[str, str]] = field(default_factory=dict)
+    headers_by_status: dict[int, dict[str, str]] = field(default_factory=dict)  # first of each
     wall_s: float = 0.0
     cpu_s: float = 0.0
 
     @property
+    def statuses(self) -> Counter[int]:
+        return Counter(status for _, status, _ in self.events)
+
+    @property
+    def latencies_s(self) -> list[float]:
+        return [latency for _, _, latency in self.events]
+
+    @property
     def requests(self) -> int:
-        return sum(self.statuses.values())
+        return len(self.events)
 
     @property
     def throughput(self) -> float:
         return self.statuses[200] / self.wall_s if self.wall_s else 0.0
 
     def percentile_ms(self, q: float) -> float:
-        if not self.latencies_s:
-            return float("nan")
         ordered = sorted(self.latencies_s)
+        if not ordered:
+            return float("nan")
         return 1000.0 * ordered[min(len(ordered) - 1, int(q / 100.0 * len(ordered)))]
 
     def latencies_for(self, status: int) -> list[float]:
@@ -103,7 +108,7 @@ async def _client(host, port, request, result, deadline, budget, stop: threading
                 reader, writer = await asyncio.open_connection(host, port)
             writer.write(request)
             await writer.drain()
-            status, headers, body = await _read_response(reader)
+            status, headers, _ = await _read_response(reader)
         except (OSError, asyncio.IncompleteReadError, ValueError) as exc:
             result.failures.append(f"{type(exc).__name__}: {exc}")
             if writer is not None:
@@ -111,11 +116,7 @@ async def _client(host, port, request, result, deadline, budget, stop: threading
             reader = writer = None
             await asyncio.sleep(0.05)
             continue
-        latency = time.perf_counter() - started
-        result.latencies_s.append(latency)
-        result.events.append((time.monotonic(), status, latency))
-        result.statuses[status] += 1
-        result.bodies_by_status.setdefault(status, body)
+        result.events.append((time.monotonic(), status, time.perf_counter() - started))
         result.headers_by_status.setdefault(status, headers)
         if headers.get("connection", "").lower() == "close":
             writer.close()

@@ -44,9 +44,11 @@ def collect_status(cfg: RaylaneConfig) -> StatusReport:
     rows = []
     for app_name, app in serve.status().applications.items():
         for name, deployment in app.deployments.items():
-            replicas = {_name(state): count for state, count in deployment.replica_states.items()}
+            replicas = {
+                state_name(state): count for state, count in deployment.replica_states.items()
+            }
             row = DeploymentRow(
-                app_name, _name(app.status), name, _name(deployment.status), replicas
+                app_name, state_name(app.status), name, state_name(deployment.status), replicas
             )
             running = replicas.get("RUNNING", 0)
             if app_name == APP_NAME and name == "model" and running:
@@ -65,7 +67,7 @@ def collect_status(cfg: RaylaneConfig) -> StatusReport:
     )
 
 
-def _name(state) -> str:
+def state_name(state) -> str:
     """Serve's status enums, or plain strings where it already gives those."""
     return str(getattr(state, "value", state))
 
