@@ -188,12 +188,11 @@ def _wait_for_port(port: int, server: subprocess.Popen, timeout_s: float = 120.0
 def raylane_serve(cfg, args):
     import httpx
     import ray
-    from ray import serve
 
     from raylane.runtime import connect_ray
-    from raylane.serving.app import deploy
+    from raylane.serving.app import deploy, shutdown_serve
 
-    connect_ray()
+    connect_ray(serve_ingress=cfg.serving.ingress)
     try:
         url, _ = deploy(cfg)
         stats_url = f"{url}/v2/models/{MODEL}/stats"
@@ -204,7 +203,7 @@ def raylane_serve(cfg, args):
         mean_batch = (after["requests"] - before["requests"]) / batches if batches else 0.0
         return result, mean_batch
     finally:
-        serve.shutdown()
+        shutdown_serve()
         ray.shutdown()
 
 

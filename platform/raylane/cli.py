@@ -146,7 +146,7 @@ def deploy(
 
     if detach and not _cluster_address():
         raise _fail("--detach needs a running cluster (set RAY_ADDRESS); a local Ray ends with us")
-    started = connect_ray()
+    started = connect_ray(serve_ingress=cfg.serving.ingress)
     try:
         url, served = deploy_app(cfg)
         console.print(f"serving {cfg.tracking.registered_model} v{served}", highlight=False)
@@ -247,11 +247,9 @@ def _block_until_interrupted() -> None:
 
 
 def _shutdown_serve() -> None:
-    import ray
-    from ray import serve
+    from raylane.serving.app import shutdown_serve
 
-    if ray.is_initialized():
-        serve.shutdown()
+    shutdown_serve()
 
 
 @app.command()

@@ -38,18 +38,17 @@ def query_endpoint(
 
 
 def run_quickstart(cfg: RaylaneConfig, rows: int, console: Console) -> None:
-    from ray import serve
 
     from raylane.data import ensure_dataset
     from raylane.data.parquet import read_rows
     from raylane.runtime import connect_ray, disconnect_ray
-    from raylane.serving.app import deploy, load_api_key_for
+    from raylane.serving.app import deploy, load_api_key_for, shutdown_serve
     from raylane.train.job import run_training
 
     console.rule("[1/4] prepare data")
     train_info, val_info = ensure_dataset(cfg)
     console.print(f"{train_info.rows} training and {val_info.rows} validation rows (Parquet)")
-    started = connect_ray()
+    started = connect_ray(serve_ingress=cfg.serving.ingress)
     try:
         console.rule(f"[2/4] train ({cfg.parallelism.strategy}, {cfg.parallelism.workers} workers)")
         outcome = run_training(cfg)
@@ -82,5 +81,5 @@ def run_quickstart(cfg: RaylaneConfig, rows: int, console: Console) -> None:
         import ray
 
         if ray.is_initialized():
-            serve.shutdown()
+            shutdown_serve()
         disconnect_ray(started)

@@ -6,10 +6,12 @@ import logging
 import os
 
 
-def connect_ray(address: str | None = None) -> bool:
+def connect_ray(address: str | None = None, serve_ingress: str | None = None) -> bool:
     """Connect to the cluster at `address` / $RAY_ADDRESS, else start a local Ray.
 
     Returns True when this call started Ray (the caller then owns `ray.shutdown()`).
+    `serve_ingress` ('haproxy' or 'proxy', `serving.ingress`) selects Serve's HTTP ingress for
+    a Ray started here; a running cluster keeps the one it was started with.
     Ray 2.60 turns token authentication on for local clusters: a local start writes
     ~/.ray/auth_token, and clients of a `ray start` cluster need RAY_AUTH_MODE=token and that
     token (see the README). Inside a `ray job submit` job, RAY_ADDRESS is set by Ray itself.
@@ -19,6 +21,10 @@ def connect_ray(address: str | None = None) -> bool:
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
+    if address is None and serve_ingress is not None:
+        from raylane.serving.ingress import apply_ingress_env
+
+        apply_ingress_env(serve_ingress)
     # "local" always starts a new Ray for this process, even when another one (say a
     # `ray start` cluster of someone else's) runs on the machine.
     ray.init(address=address or "local", logging_level=logging.WARNING)

@@ -66,9 +66,18 @@ class Workspace:
 def ray_cluster():
     """A head node started with `ray start --head` (4 logical CPUs), token authentication on
     (see TOKEN_PATH above). `second_node` adds a node for the tests that need two."""
+    from raylane.serving.ingress import ingress_env
+
     saved_path = os.environ.get("PATH", "")
     # Jobs run with the `python` found on PATH when the head started: this venv's.
     os.environ["PATH"] = f"{BIN}{os.pathsep}{saved_path}"
+    # Serve's ingress is chosen by the environment of `ray start`, as on a user's cluster: the
+    # default, HAProxy. Its stats page and exporter get free ports (fixed ones by default).
+    os.environ.update(
+        ingress_env("haproxy"),
+        RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()),
+        RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()),
+    )
     gcs_port, dashboard_port, metrics_port = free_port(), free_port(), free_port()
     ray_cli = str(BIN / "ray")
     subprocess.run(

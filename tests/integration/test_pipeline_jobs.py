@@ -18,6 +18,7 @@ from raylane.data.parquet import read_rows
 from raylane.train.job import run_training
 
 from .conftest import ROOT, free_port
+from .triton import triton_infer
 
 CONFIGS = ROOT / "configs" / "train"
 
@@ -104,9 +105,7 @@ def test_hybrid_job_runs_dp2_pp2(hybrid_run, client):
 
 @pytest.fixture(scope="module")
 def lm_endpoint(pipeline_run, hybrid_run, workspace):
-    from ray import serve
-
-    from raylane.serving.app import deploy
+    from raylane.serving.app import deploy, shutdown_serve
 
     cfg = load_config(
         CONFIGS / "lm_pipeline.yaml", _lm_overrides(workspace, f"serving.port={free_port()}")
@@ -115,7 +114,7 @@ def lm_endpoint(pipeline_run, hybrid_run, workspace):
     try:
         yield cfg, url
     finally:
-        serve.shutdown()
+        shutdown_serve()
 
 
 def test_assembled_model_is_served_and_answers_next_byte_logits(lm_endpoint, workspace):
@@ -143,3 +142,21 @@ def test_assembled_model_is_served_and_answers_next_byte_logits(lm_endpoint, wor
     model = mlflow.pytorch.load_model(f"models:/{cfg.tracking.registered_model}@champion")
     expected = model(torch.from_numpy(tokens))[:, -1, :].argmax(dim=-1).tolist()
     assert next_bytes == expected
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_triton_client_sends_int64_tokens_to_the_lm(lm_endpoint, binary):
+    cfg, url = lm_endpoint
+    tokens, _ = read_rows(cfg.data.validation_path, cfg, limit=4)
+    logits, next_bytes, _ = triton_infer(url, "lm", tokens.astype(np.int64), "INT64", binary)
+    assert logits.shape == (4, 256)
+    plain = httpx.post(
+        f"{url}/v2/models/lm/infer",
+        json={
+            "inputs": [
+                {"name": "t", "shape": [4, 64], "datatype": "INT64", "data": tokens.tolist()}
+            ]
+        },
+        timeout=60,
+    ).json()
+    assert next_bytes.tolist() == plain["outputs"][1]["data"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -12,6 +13,7 @@ import pytest
 from raylane.config import load_config
 
 from .conftest import REFERENCE, free_port
+from .triton import triton_infer, triton_metadata
 
 MODEL = "digits"
 
@@ -19,9 +21,7 @@ MODEL = "digits"
 @pytest.fixture(scope="module")
 def endpoint(trained, workspace):
     """The champion deployed on the session cluster; Serve is shut down after the module."""
-    from ray import serve
-
-    from raylane.serving.app import deploy
+    from raylane.serving.app import deploy, shutdown_serve
 
     cfg = load_config(
         REFERENCE,
@@ -35,7 +35,7 @@ def endpoint(trained, workspace):
     try:
         yield url
     finally:
-        serve.shutdown()
+        shutdown_serve()
 
 
 @pytest.fixture(scope="module")
@@ -209,3 +209,92 @@ def test_unknown_model_metadata_is_404(endpoint):
     response = httpx.get(f"{endpoint}/v2/models/nope")
     assert response.status_code == 404
     assert "not served here" in response.json()["error"]
+
+
+@pytest.mark.parametrize("binary", [True, False], ids=["binary", "json"])
+def test_triton_client_gets_the_champions_predictions(endpoint, trained, validation_rows, binary):
+    _, outcome = trained
+    features, labels = validation_rows
+    logits, predicted, response = triton_infer(endpoint, MODEL, features, "FP32", binary)
+    assert logits.shape == (len(features), 10) and logits.dtype == np.float32
+    assert (predicted == labels).mean() >= 0.9
+    np.testing.assert_array_equal(logits.argmax(axis=1), predicted)
+    sent_as_binary = [
+        "binary_data_size" in (o.get("parameters") or {}) for o in response["outputs"]
+    ]
+    assert sent_as_binary == [binary, binary]
+    # The same rows over plain JSON give the same logits, to float32 precision.
+    plain = httpx.post(f"{endpoint}/v2/models/{MODEL}/infer", json=_infer_body(features)).json()
+    np.testing.assert_allclose(logits.reshape(-1), plain["outputs"][0]["data"], rtol=1e-6)
+    # A client that names the served version reaches it; another version is a 404.
+    _, by_version, _ = triton_infer(
+        endpoint, MODEL, features[:2], "FP32", binary, version=str(outcome.model_version)
+    )
+    assert by_version.tolist() == predicted[:2].tolist()
+    missing = httpx.post(
+        f"{endpoint}/v2/models/{MODEL}/versions/999/infer", json=_infer_body(features[:1])
+    )
+    assert missing.status_code == 404 and "version 999" in missing.json()["error"]
+
+
+def test_triton_client_reads_server_and_model_metadata(endpoint):
+    ready, server, model = triton_metadata(endpoint, MODEL)
+    assert ready is True
+    assert "binary_tensor_data" in server["extensions"]
+    assert model["inputs"][0]["shape"] == [-1, 64]
+
+
+def _binary_request(rows: np.ndarray, declared_bytes: int | None = None) -> tuple[bytes, dict]:
+    raw = rows.astype("<f4").tobytes()
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "features",
+                    "shape": list(rows.shape),
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": declared_bytes or len(raw)},
+                }
+            ]
+        }
+    ).encode()
+    return header + raw, {"Inference-Header-Content-Length": str(len(header))}
+
+
+def test_requests_without_content_type_are_answered(endpoint, validation_rows):
+    features, labels = validation_rows
+    body = json.dumps(_infer_body(features[:4])).encode()
+    response = httpx.post(f"{endpoint}/v2/models/{MODEL}/infer", content=body)
+    assert "content-type" not in response.request.headers
+    assert response.status_code == 200, response.text
+    assert response.json()["outputs"][1]["data"] == labels[:4].tolist()
+
+
+@pytest.mark.parametrize(
+    ("mangle", "message"),
+    [
+        (lambda body, headers: (body[:-4], headers), "but 252 bytes follow"),
+        (lambda body, headers: (body + b"\0\0\0\0", headers), "4 bytes after the JSON header"),
+        (lambda body, headers: (body, {"Inference-Header-Content-Length": "x"}), "byte count"),
+        (lambda body, headers: (body, {"Inference-Header-Content-Length": "99999"}), "byte count"),
+        (lambda body, headers: (body, {}), "not valid JSON"),
+    ],
+    ids=["short", "trailing", "header-not-a-number", "header-past-body", "header-missing"],
+)
+def test_malformed_binary_bodies_get_a_4xx_that_names_the_problem(
+    endpoint, validation_rows, mangle, message
+):
+    features, _ = validation_rows
+    body, headers = mangle(*_binary_request(features[:1]))
+    response = httpx.post(f"{endpoint}/v2/models/{MODEL}/infer", content=body, headers=headers)
+    assert 400 <= response.status_code < 500, response.text
+    assert message in response.json()["error"]
+
+
+def test_binary_tensor_with_the_wrong_byte_count_for_its_shape_is_a_400(endpoint, validation_rows):
+    features, _ = validation_rows
+    body, headers = _binary_request(features[:2], declared_bytes=256)
+    body = body[: len(body) - 256]  # 2 rows declared in the shape, one row's bytes sent
+    response = httpx.post(f"{endpoint}/v2/models/{MODEL}/infer", content=body, headers=headers)
+    assert response.status_code == 400, response.text
+    assert "needs 512" in response.json()["error"]

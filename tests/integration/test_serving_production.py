@@ -73,9 +73,7 @@ def overrides(workspace):
 
 @pytest.fixture(scope="module")
 def endpoint(versions, overrides):
-    from ray import serve
-
-    from raylane.serving.app import deploy
+    from raylane.serving.app import deploy, shutdown_serve
 
     os.environ[KEY_ENV] = API_KEY
     try:
@@ -83,7 +81,7 @@ def endpoint(versions, overrides):
         assert served == versions[0]
         yield url
     finally:
-        serve.shutdown()
+        shutdown_serve()
         os.environ.pop(KEY_ENV, None)
 
 

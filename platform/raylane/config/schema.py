@@ -247,6 +247,13 @@ class ServingConfig(StrictModel):
         description="Address the HTTP proxy binds. Anything else is an explicit choice.",
     )
     port: int = Field(8000, ge=1, le=65535, description="HTTP port of the endpoint.")
+    ingress: Literal["haproxy", "proxy"] = Field(
+        "haproxy",
+        description="HTTP ingress of a Ray that raylane starts: 'haproxy' (Serve's HAProxy in "
+        "front of replicas listening on their own ports, 127.0.0.1:30000-31000 by default) or "
+        "'proxy' (Serve's Python proxy). A `ray start` cluster takes it from the environment "
+        "of `ray start` (see README, Serving).",
+    )
     model_name: str = Field(
         "digits",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",

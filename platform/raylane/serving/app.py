@@ -162,3 +162,27 @@ def running_app_names() -> set[str]:
         return set(serve.status().applications)
     except Exception:  # noqa: BLE001 - no Serve controller yet means no applications
         return set()
+
+
+def shutdown_serve(timeout_s: float = 120.0) -> None:
+    """Shut Serve down and wait until its controller is gone.
+
+    `serve.shutdown()` can return while the controller actor is still being killed (seen with
+    the HAProxy ingress); a deploy in that window finds the dying controller and fails, so the
+    next deploy on this cluster waits for it here.
+    """
+    import ray
+    from ray import serve
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    if not ray.is_initialized():
+        return
+    serve.shutdown()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        except ValueError:
+            return
+        time.sleep(0.5)
+    log.warning("Serve's controller was still alive %.0f s after shutdown", timeout_s)

@@ -13,22 +13,25 @@ from typing import Any
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 import raylane
+from raylane.serving.binary_tensors import HEADER_LENGTH
 from raylane.serving.guard import GuardSettings, RequestGuard
+from raylane.serving.infer_route import InferRoute, InferTarget
 from raylane.serving.metrics import ReplicaMetrics
+from raylane.serving.openapi import add_component_schemas, infer_request_body
 from raylane.serving.protocol import (
     InferenceRequest,
     InferenceResponse,
     PredictRequest,
     PredictResponse,
     ProtocolError,
+    decode_infer,
+    encode_infer,
     instances_to_rows,
-    logits_to_outputs,
     softmax,
-    tensor_to_rows,
 )
 
 MAX_ROWS_PER_REQUEST = 1024
@@ -41,9 +44,14 @@ api = FastAPI(
 )
 
 
-# Filled in by the replica's constructor (one replica per process).
+# Filled in by the replica's constructor (one replica per process). The guard is added last so
+# that it runs first: every route, the raw infer route included, sits behind it.
 GUARD = GuardSettings()
+INFER = InferTarget()
+api.add_middleware(InferRoute, target=INFER)
 api.add_middleware(RequestGuard, settings=GUARD)
+add_component_schemas(api, InferenceRequest)
+EXTENSIONS = ["binary_tensor_data", "statistics"]
 
 
 @api.exception_handler(ProtocolError)
@@ -68,6 +76,34 @@ class InferenceServer:
     `max_batch_size` requests; the sizes formed are counted for the statistics route and
     exported as metrics.
     """
+
+    # The infer routes are answered by `InferRoute` before FastAPI's router; these route
+    # definitions describe them in OpenAPI, name them in Serve's metrics, and answer the same
+    # way should a request reach the router. They come first so Serve's per-request route
+    # lookup matches them at once.
+    @api.post(
+        "/v2/models/{name}/infer",
+        openapi_extra=infer_request_body(),
+        responses={200: {"model": InferenceResponse}},
+    )
+    async def infer(self, name: str, request: Request) -> Response:
+        """Run the model on one input tensor: JSON, or binary tensor data."""
+        return await self._answer(name, None, request)
+
+    @api.post(
+        "/v2/models/{name}/versions/{version}/infer",
+        openapi_extra=infer_request_body(),
+        responses={200: {"model": InferenceResponse}},
+    )
+    async def infer_version(self, name: str, version: str, request: Request) -> Response:
+        """The same, for a client that names the version (it must be the one served)."""
+        return await self._answer(name, version, request)
+
+    async def _answer(self, name: str, version: str | None, request: Request) -> Response:
+        body, headers = await self.infer_body(
+            name, version, await request.body(), request.headers.get(HEADER_LENGTH)
+        )
+        return Response(body, headers=headers)
 
     def __init__(
         self,
@@ -96,11 +132,16 @@ class InferenceServer:
         self.predict_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
         self.batch_sizes: Counter[int] = Counter()
         self.metrics = ReplicaMetrics(model_name, self.predictor.card.version)
+        INFER.handler = self
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)
     async def predict_batch(self, requests: list[np.ndarray]) -> list[np.ndarray]:
         self.batch_sizes[len(requests)] += 1
-        rows = np.concatenate(requests)
+        rows = requests[0] if len(requests) == 1 else np.concatenate(requests)
+        # The forward runs on the event loop itself. Run in a worker thread (Serve's general
+        # advice) it measured 0.6x on benchmarks/serve_load.py: torch gives up and retakes the
+        # GIL around every op, each retake waits out the loop's switch interval, and batches
+        # formed half as full.
         started = time.perf_counter()
         logits = self.predictor.predict(rows)
         self.metrics.record_forward(len(rows), time.perf_counter() - started)
@@ -146,7 +187,7 @@ class InferenceServer:
 
     @api.get("/v2")
     async def server_metadata(self) -> dict:
-        return {"name": "raylane", "version": raylane.__version__, "extensions": ["statistics"]}
+        return {"name": "raylane", "version": raylane.__version__, "extensions": EXTENSIONS}
 
     @api.get("/v2/models/{name}")
     async def model_metadata(self, name: str) -> dict:
@@ -182,22 +223,22 @@ class InferenceServer:
         self._check_name(name)
         return {"model_stats": [{"name": name, **self.statistics()}]}
 
-    @api.post("/v2/models/{name}/infer", response_model=InferenceResponse)
-    async def infer(self, name: str, request: InferenceRequest) -> InferenceResponse:
+    async def infer_body(
+        self, name: str, version: str | None, body: bytes, header_length: str | None
+    ) -> tuple[bytes, dict[str, str]]:
+        """Answer an infer request body (JSON, or JSON + binary tensors) for `InferRoute`."""
         self._check_name(name)
         card = self.predictor.card
-        rows = tensor_to_rows(request.inputs[0], card.input_dim, MAX_ROWS_PER_REQUEST)
-        if request.outputs:
-            wanted = {o.name for o in request.outputs}
-            unknown = wanted - {"logits", "label"}
-            if unknown:
-                raise ProtocolError(f"unknown output {sorted(unknown)[0]!r}; known: logits, label")
-        outputs = logits_to_outputs(await self.predict_batch(rows))
-        if request.outputs:
-            outputs = [o for o in outputs if o.name in wanted]
-        return InferenceResponse(
-            model_name=name, model_version=str(card.version), id=request.id, outputs=outputs
+        if version is not None and version != str(card.version):
+            raise ProtocolError(
+                f"model {name!r} version {version} is not served here; available: {card.version}",
+                404,
+            )
+        call = decode_infer(
+            body, header_length, card.input_dim, MAX_ROWS_PER_REQUEST, card.input_dtype
         )
+        logits = await self.predict_batch(call.rows)
+        return encode_infer(name, str(card.version), call, logits)
 
     @api.post("/predict", response_model=PredictResponse)
     async def predict(self, request: PredictRequest) -> PredictResponse:

@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from raylane.serving.errors import send_json_error
 
 # Open without a key: probes and the API description. Everything else needs it when set.
 OPEN_PATHS = ("/v2/health/", "/docs", "/openapi.json", "/redoc")
@@ -67,7 +68,7 @@ class RequestGuard:
         if _needs_key(settings, scope["path"]) and not _authorised(
             headers.get(b"authorization", b""), settings.key_digest
         ):
-            return await _reply(
+            return await send_json_error(
                 send,
                 401,
                 "missing or wrong API key: send Authorization: Bearer <key>",
@@ -76,7 +77,7 @@ class RequestGuard:
         limit = settings.max_body_bytes
         declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            return await _reply(send, 413, f"request body over the {limit}-byte limit")
+            return await send_json_error(send, 413, f"request body over the {limit}-byte limit")
 
         received = 0
         started = rejected = False
@@ -91,7 +92,9 @@ class RequestGuard:
                 if received > limit:
                     if not started and not rejected:
                         rejected = True
-                        await _reply(send, 413, f"request body over the {limit}-byte limit")
+                        await send_json_error(
+                            send, 413, f"request body over the {limit}-byte limit"
+                        )
                     return {"type": "http.disconnect"}
             return message
 
@@ -119,19 +122,3 @@ def _authorised(header: bytes, digest: str) -> bool:
     if scheme.lower() != "bearer" or not token:
         return False
     return hmac.compare_digest(hashlib.sha256(token.strip().encode()).hexdigest(), digest)
-
-
-async def _reply(send, status: int, message: str, extra_headers=()) -> None:
-    body = json.dumps({"error": message}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                *extra_headers,
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})

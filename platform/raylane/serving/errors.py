@@ -1,0 +1,28 @@
+"""The error every request check raises, and how a raw ASGI route answers it."""
+
+import json
+
+
+class ProtocolError(ValueError):
+    """A client mistake in an inference request; `status` is the HTTP status to answer."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+async def send_json_error(send, status: int, message: str, extra_headers=()) -> None:
+    """Answer an ASGI request with `{"error": message}` and `status`."""
+    body = json.dumps({"error": message}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                *extra_headers,
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
