@@ -5,15 +5,22 @@ registered in a throw-away MLflow store; a single-row forward costs a few millis
 torch thread for the model in every setup:
 
   (b) plain FastAPI + uvicorn, one process, one forward per request (benchmarks/plain_fastapi.py);
+  (d) plain FastAPI + uvicorn, one process, with its own asyncio micro-batcher
+      (benchmarks/plain_fastapi_batched.py): the strongest single process a user could write;
   (c) the bare model's in-process forward on full batches (`--batch-size` rows): the ceiling;
-  (a) the raylane Serve application (`raylane.serving.app.deploy`, one replica, batched).
+  (a) the raylane Serve application as deployed by default (`raylane.serving.app.deploy` on a
+      Ray started with the config's ingress, HAProxy unless `--set serving.ingress=proxy`),
+      one replica, batched.
 
-(a) and (b) get the same closed-loop load: `--clients` keep-alive connections from
+(a), (b) and (d) get the same closed-loop load: `--clients` keep-alive connections from
 raylane.serving.loadgen on 127.0.0.1, one row per request, for `--seconds` (after a warm-up)
-or `--max-requests`. The table gives throughput, p50/p95/p99 latency, mean batch size and the
-load generator's own CPU share; the last line is one JSON object with the ratios.
+or `--max-requests`. Then the large-input case: `--large-rows` rows (16,384 floats) per
+request to (a) from `--large-clients` clients, as JSON and as OIP binary tensor data.
+The table gives throughput, p50/p95/p99 latency, mean batch size and the load generator's own
+CPU share; the last line is one JSON object with the ratios.
 
     python benchmarks/serve_load.py [--clients 32] [--seconds 15] [--batch-size 32]
+        [--set serving.ingress=proxy]
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ HIDDEN = "[2048,2048,2048,2048]"
 
 
 def bench_config(workdir: Path, args, port: int):
+    """The reference config with the benchmark's model and one replica; `--set` goes last."""
     from raylane.config import load_config
 
     return load_config(
@@ -53,6 +61,7 @@ def bench_config(workdir: Path, args, port: int):
             "serving.replica_cpus=1",
             "serving.autoscaling.min_replicas=1",
             "serving.autoscaling.max_replicas=1",
+            *args.overrides,
         ],
     )
 
@@ -99,28 +108,61 @@ def register_model(cfg) -> float:
     return accuracy
 
 
-def infer_body(row: np.ndarray) -> dict:
+def infer_body(rows: np.ndarray) -> dict:
+    rows = rows.reshape(-1, rows.shape[-1])
     return {
         "inputs": [
-            {"name": "features", "shape": [1, row.size], "datatype": "FP32", "data": row.tolist()}
+            {
+                "name": "features",
+                "shape": list(rows.shape),
+                "datatype": "FP32",
+                "data": rows.reshape(-1).tolist(),
+            }
         ]
     }
 
 
-def measure(url: str, body: dict, args):
+def binary_infer_body(rows: np.ndarray) -> tuple[bytes, dict[str, str]]:
+    """The same request in the OIP binary tensor data extension, binary outputs asked for."""
+    raw = rows.astype("<f4").tobytes()
+    header = json.dumps(
+        {
+            "inputs": [
+                {
+                    "name": "features",
+                    "shape": list(rows.shape),
+                    "datatype": "FP32",
+                    "parameters": {"binary_data_size": len(raw)},
+                }
+            ],
+            "parameters": {"binary_data_output": True},
+        }
+    ).encode()
+    headers = {
+        "Content-Type": "application/octet-stream",
+        "Inference-Header-Content-Length": str(len(header)),
+    }
+    return header + raw, headers
+
+
+def measure(url: str, body, args, clients: int | None = None, headers: dict | None = None):
     from raylane.serving.loadgen import run_load
 
     path = f"/v2/models/{MODEL}/infer"
-    warm = run_load(url, path, body, clients=args.clients, duration_s=2.0, max_requests=5_000)
+    clients = clients or args.clients
+    warm = run_load(
+        url, path, body, clients=clients, duration_s=2.0, max_requests=5_000, headers=headers
+    )
     if warm.statuses[200] == 0:
         raise RuntimeError(f"{url} answered no request during warm-up: {dict(warm.statuses)}")
     result = run_load(
         url,
         path,
         body,
-        clients=args.clients,
+        clients=clients,
         duration_s=args.seconds,
         max_requests=args.max_requests,
+        headers=headers,
     )
     failed = result.requests - result.statuses[200] + len(result.failures)
     if failed:
@@ -151,14 +193,16 @@ def bare_forward(cfg, batch_size: int, seconds: float) -> tuple[float, float]:
     return count * batch_size / (time.perf_counter() - started), single_ms
 
 
-def plain_fastapi(cfg, args, port: int):
+def plain_fastapi(cfg, args, port: int, module: str = "plain_fastapi"):
     env = {
         **os.environ,
         "RAYLANE_BENCH_TRACKING_URI": cfg.tracking.tracking_uri,
         "RAYLANE_BENCH_MODEL": MODEL,
         "RAYLANE_BENCH_TORCH_THREADS": "1",
+        "RAYLANE_BENCH_BATCH": str(args.batch_size),
+        "RAYLANE_BENCH_BATCH_WAIT": str(args.batch_wait),
     }
-    uvicorn = [sys.executable, "-m", "uvicorn", "benchmarks.plain_fastapi:app", "--log-level"]
+    uvicorn = [sys.executable, "-m", "uvicorn", f"benchmarks.{module}:app", "--log-level"]
     server = subprocess.Popen(
         [*uvicorn, "warning", "--host", "127.0.0.1", "--port", str(port)], cwd=ROOT, env=env
     )
@@ -201,7 +245,11 @@ def raylane_serve(cfg, args):
         after = httpx.get(stats_url).json()["model_stats"][0]
         batches = after["batches"] - before["batches"]
         mean_batch = (after["requests"] - before["requests"]) / batches if batches else 0.0
-        return result, mean_batch
+        large = np.random.default_rng(2).uniform(0, 16, (args.large_rows, 64)).astype(np.float32)
+        large_json = measure(url, infer_body(large), args, clients=args.large_clients)
+        binary, headers = binary_infer_body(large)
+        large_binary = measure(url, binary, args, clients=args.large_clients, headers=headers)
+        return result, mean_batch, large_json, large_binary
     finally:
         shutdown_serve()
         ray.shutdown()
@@ -214,6 +262,11 @@ def main() -> None:
     parser.add_argument("--max-requests", type=int, default=60_000)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--batch-wait", type=float, default=0.005)
+    parser.add_argument("--large-rows", type=int, default=256, help="rows per large request")
+    parser.add_argument("--large-clients", type=int, default=8)
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], help="config override"
+    )
     args = parser.parse_args()
     from raylane.serving.loadgen import LoadResult
 
@@ -225,8 +278,11 @@ def main() -> None:
         args.row = np.random.default_rng(1).uniform(0, 16, 64).astype(np.float32)
 
         plain = plain_fastapi(cfg, args, free_port())
+        batched = plain_fastapi(cfg, args, free_port(), module="plain_fastapi_batched")
         bare_rate, single_ms = bare_forward(cfg, args.batch_size, seconds=5.0)
-        served, mean_batch = raylane_serve(cfg, args)
+        served, mean_batch, large_json, large_binary = raylane_serve(cfg, args)
+        large_json_rate = large_json.throughput * args.large_rows
+        large_binary_rate = large_binary.throughput * args.large_rows
 
     def row(name: str, result: LoadResult | None, rate: float, batch: float) -> str:
         if result is None:
@@ -237,26 +293,39 @@ def main() -> None:
             f"{result.client_cpu_share:>7.0%}"
         )
 
-    print(f"\n{args.clients} clients, one row per request, single-row forward {single_ms:.2f} ms")
+    print(
+        f"\n{args.clients} clients, one row per request, single-row forward {single_ms:.2f} ms, "
+        f"ingress {cfg.serving.ingress}"
+    )
     print(
         f"{'setup':<28} {'rows/s':>9} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'batch':>6} "
         f"{'client':>7}"
     )
     print(row("(a) raylane Serve", served, served.throughput, mean_batch))
     print(row("(b) plain FastAPI", plain, plain.throughput, 1.0))
+    print(row("(d) FastAPI + micro-batcher", batched, batched.throughput, float("nan")))
     print(row("(c) bare batched forward", None, bare_rate, float(args.batch_size)))
+    print(f"\n{args.large_clients} clients, {args.large_rows} rows ({args.large_rows * 64} floats)")
+    print(row("(a) raylane, JSON", large_json, large_json_rate, float("nan")))
+    print(row("(a) raylane, binary tensors", large_binary, large_binary_rate, float("nan")))
     print(
         json.dumps(
             {
                 "serve_rows_per_s": round(served.throughput, 1),
                 "fastapi_rows_per_s": round(plain.throughput, 1),
                 "bare_rows_per_s": round(bare_rate, 1),
+                "fastapi_batched_rows_per_s": round(batched.throughput, 1),
                 "serve_vs_fastapi": round(served.throughput / plain.throughput, 3),
                 "serve_vs_bare": round(served.throughput / bare_rate, 3),
+                "serve_vs_fastapi_batched": round(served.throughput / batched.throughput, 3),
+                "large_json_rows_per_s": round(large_json_rate, 1),
+                "large_binary_rows_per_s": round(large_binary_rate, 1),
+                "binary_vs_json": round(large_binary_rate / large_json_rate, 3),
                 "p99_ms": round(served.percentile_ms(99), 1),
                 "fastapi_p99_ms": round(plain.percentile_ms(99), 1),
                 "mean_batch_size": round(mean_batch, 2),
                 "clients": args.clients,
+                "ingress": cfg.serving.ingress,
             }
         )
     )

@@ -135,3 +135,18 @@ def test_rayservice_serves_the_same_application_as_serving_config():
     # Inside a pod the proxy must listen beyond loopback; the Service decides exposure.
     assert in_k8s["http_options"]["host"] == "0.0.0.0"
     assert local["http_options"]["host"] == "127.0.0.1"
+
+
+def test_clusters_start_serve_with_the_default_fast_ingress(compose):
+    from raylane.config.schema import ServingConfig
+    from raylane.serving.ingress import ingress_env
+
+    assert ServingConfig().ingress == "haproxy"
+    wanted = ingress_env("haproxy")
+    for name in ("ray-head", "ray-worker"):
+        env = compose["services"][name]["environment"]
+        assert {key: env.get(key) for key in wanted} == wanted, name
+    cluster = yaml.safe_load((K8S / "rayservice.yaml").read_text())["spec"]["rayClusterConfig"]
+    for pod in _pod_specs(cluster):
+        env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+        assert {key: env.get(key) for key in wanted} == wanted

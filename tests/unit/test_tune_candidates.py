@@ -100,3 +100,16 @@ def test_shipped_spec_validates_and_bad_specs_name_the_field(tmp_path):
         load_spec(bad)
     with pytest.raises(ConfigError, match="warmup_epochs \\(2\\) leaves no measured epoch of 2"):
         load_spec(bad, ["trial.epochs=2", "trial.warmup_epochs=2"])
+
+
+def test_trial_configs_carry_absolute_paths_whatever_the_trials_directory(monkeypatch):
+    # The shipped spec's base config names relative data paths; a Tune trial runs in its own
+    # working directory, so they are resolved where the search was started.
+    monkeypatch.chdir(ROOT)
+    spec = load_spec(ROOT / "configs" / "tune" / "parallelism.yaml")
+    valid, _ = enumerate_candidates(spec)
+    cfg = trial_config(spec, valid[0])
+    assert cfg.data.train_path == (ROOT / "data" / "stdlib" / "train.parquet").resolve()
+    assert cfg.data.validation_path.is_absolute() and cfg.training.storage_path.is_absolute()
+    winner = trial_config(spec, valid[0], for_trial=False)
+    assert not winner.data.train_path.is_absolute()  # the emitted config stays portable

@@ -114,3 +114,32 @@ def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[dotted] = value
     return flat
+
+
+def with_absolute_paths(config: RaylaneConfig, base: Path | None = None) -> RaylaneConfig:
+    """`config` with its file paths made absolute against `base` (the working directory).
+
+    For configs that run somewhere else than where they were written: a Ray Tune trial runs in
+    its own working directory, where a relative data path would point at nothing.
+    """
+    base = Path.cwd() if base is None else Path(base)
+
+    def absolute(path: Path | None) -> Path | None:
+        return None if path is None else (base / path).resolve()
+
+    return config.model_copy(
+        update={
+            "data": config.data.model_copy(
+                update={
+                    "train_path": absolute(config.data.train_path),
+                    "validation_path": absolute(config.data.validation_path),
+                }
+            ),
+            "training": config.training.model_copy(
+                update={
+                    "storage_path": absolute(config.training.storage_path),
+                    "resume_from": absolute(config.training.resume_from),
+                }
+            ),
+        }
+    )

@@ -63,12 +63,12 @@ class LoadResult:
 def build_request(url: str, path: str, body: dict | bytes, headers: dict | None = None) -> bytes:
     parts = urlsplit(url)
     payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json", **(headers or {})}
     lines = [
         f"POST {path} HTTP/1.1",
         f"Host: {parts.hostname}:{parts.port}",
-        "Content-Type: application/json",
         f"Content-Length: {len(payload)}",
-        *(f"{k}: {v}" for k, v in (headers or {}).items()),
+        *(f"{k}: {v}" for k, v in headers.items()),
     ]
     return ("\r\n".join(lines) + "\r\n\r\n").encode() + payload
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raylane.config import ConfigError, RaylaneConfig, load_config
+from raylane.config.loader import with_absolute_paths
 from raylane.tune.spec import TuneSpec
 
 
@@ -140,4 +141,6 @@ def trial_config(spec: TuneSpec, candidate: Candidate, *, for_trial: bool = True
             "training.checkpoints_to_keep=1",
             f"training.storage_path={spec.storage_path.resolve()}",
         ]
+        # Trials run in a working directory of their own: relative paths are resolved here.
+        return with_absolute_paths(load_config(spec.base, overrides))
     return load_config(spec.base, overrides)
