@@ -299,6 +299,7 @@ def test_prometheus_metrics_and_json_access_logs(endpoint, ray_cluster):
     )
     assert response.status_code == 200
     assert response.headers["x-request-id"] == request_id
+    assert httpx.post(f"{endpoint}{INFER}", json=ROW).status_code == 401  # counted as an error
 
     wanted = [
         "ray_serve_num_http_requests_total",
@@ -311,11 +312,16 @@ def test_prometheus_metrics_and_json_access_logs(endpoint, ray_cluster):
         "raylane_batch_rows_bucket",
     ]
 
+    missing = list(wanted)
+
     def exported() -> bool:
         text = httpx.get(ray_cluster.metrics_url, timeout=10).text
-        return all(name in text for name in wanted)
+        missing[:] = [name for name in wanted if name not in text]
+        return not missing
 
-    _wait_for(exported, "exporting the serving metrics", timeout_s=60)
+    with contextlib.suppress(TimeoutError):
+        _wait_for(exported, "exporting the serving metrics", timeout_s=60)
+    assert not missing, f"not exported within 60 s: {missing}"
     text = httpx.get(ray_cluster.metrics_url, timeout=10).text
     assert 'error_code="401"' in text or 'status_code="401"' in text
 

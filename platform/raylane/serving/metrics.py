@@ -26,6 +26,7 @@ class ReplicaMetrics:
             tag_keys=("model",),
         )
         self.version.set_default_tags({"model": model_name})
+        self._version = version
         self.version.set(version)
         self.forward_ms = Histogram(
             "raylane_forward_latency_ms",
@@ -45,3 +46,6 @@ class ReplicaMetrics:
     def record_forward(self, rows: int, seconds: float) -> None:
         self.forward_ms.observe(seconds * 1000.0)
         self.rows.observe(rows)
+        # Set again with every batch: a gauge set only once, at start-up, was not exported
+        # under Serve's throughput-optimized mode.
+        self.version.set(self._version)

@@ -52,9 +52,7 @@ def collect_status(cfg: RaylaneConfig) -> StatusReport:
             )
             running = replicas.get("RUNNING", 0)
             if app_name == APP_NAME and name == "model" and running:
-                handle = serve.get_deployment_handle(name, app_name)
-                calls = [handle.statistics.remote() for _ in range(running * SAMPLES_PER_REPLICA)]
-                row.versions = {call.result(timeout_s=30)["version"] for call in calls}
+                row.versions = _sample_versions(name, app_name, running * SAMPLES_PER_REPLICA)
             rows.append(row)
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     found = champion_version(
@@ -65,6 +63,25 @@ def collect_status(cfg: RaylaneConfig) -> StatusReport:
     return StatusReport(
         rows, cfg.tracking.champion_alias, None if found is None else int(found.version)
     )
+
+
+def _sample_versions(deployment: str, app_name: str, calls: int) -> set[int]:
+    """Versions reported by `calls` statistics calls spread over the running replicas.
+
+    The calls are awaited in an event loop of their own: with Serve's throughput-optimized
+    mode (the fast ingress) a handle's router runs in the caller's loop.
+    """
+    import asyncio
+
+    from ray import serve
+
+    async def sample() -> list[dict]:
+        handle = serve.get_deployment_handle(deployment, app_name)
+        return await asyncio.wait_for(
+            asyncio.gather(*(handle.statistics.remote() for _ in range(calls))), timeout=30
+        )
+
+    return {stats["version"] for stats in asyncio.run(sample())}
 
 
 def state_name(state) -> str:

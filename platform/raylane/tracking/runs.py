@@ -49,16 +49,19 @@ def log_run_context(cfg: RaylaneConfig, snapshot: dict[str, Any], dataset_digest
 
 
 def _log_dataset_inputs(cfg: RaylaneConfig, digest: str) -> None:
-    from mlflow.data.dataset_source_registry import resolve_dataset_source
+    from mlflow.data.dataset_source_registry import get_registered_sources, resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
 
     from raylane.data.parquet import dataset_digest
 
+    # MLflow registers two identical local-file sources ('file' and '' schemes) and warns that
+    # a path is ambiguous between them; naming the first one resolves it.
+    local = [s for s in get_registered_sources() if s._get_source_type() == "local"][:1]
     for context, path in (
         ("training", cfg.data.train_path),
         ("validation", cfg.data.validation_path),
     ):
-        source = resolve_dataset_source(str(Path(path).resolve()))
+        source = resolve_dataset_source(str(Path(path).resolve()), candidate_sources=local)
         dataset = MetaDataset(
             source=source, name=f"{cfg.data.source}-{context}", digest=dataset_digest(Path(path))
         )
@@ -102,4 +105,16 @@ def log_trained_model(model: nn.Module, cfg: RaylaneConfig, example: np.ndarray)
         input_example=example,
         signature=infer_signature(example, output),
         registered_model_name=cfg.tracking.registered_model,
+        pip_requirements=model_requirements(),
     )
+
+
+def model_requirements() -> list[str]:
+    """What loading a logged model needs, pinned to this environment's versions.
+
+    Local version labels (torch's `+cpu`) are dropped: they are not on PyPI, and a GPU host
+    installs its own build of the same release.
+    """
+    from importlib.metadata import version
+
+    return [f"{name}=={version(name).split('+')[0]}" for name in ("torch", "mlflow", "numpy")]
