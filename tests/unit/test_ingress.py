@@ -17,10 +17,11 @@ def test_haproxy_sets_serve_variables_for_a_ray_started_here(clean_env):
     assert running_ingress() == "haproxy"
 
 
-def test_proxy_turns_both_off(clean_env):
+def test_proxy_turns_haproxy_and_the_throughput_mode_off(clean_env):
     apply_ingress_env("haproxy")
     apply_ingress_env("proxy")
-    assert all(os.environ[name] == "0" for name in FAST_INGRESS_ENV)
+    assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "0"
+    assert os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "0"
     assert running_ingress() == "proxy"
 
 
