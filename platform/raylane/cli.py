@@ -33,9 +33,22 @@ SetOption = Annotated[
     list[str] | None,
     typer.Option("--set", "-s", help="Override a field: --set training.epochs=3 (repeatable)."),
 ]
+VerboseOption = Annotated[
+    bool,
+    typer.Option(
+        "--verbose",
+        "-v",
+        help="Stream Ray's worker, controller and Serve logs here too (otherwise they stay in "
+        "Ray's log files).",
+    ),
+]
 
 
-def _setup_logging() -> None:
+def _setup_logging(verbose: bool = False) -> None:
+    import os
+
+    if verbose:
+        os.environ["RAYLANE_VERBOSE"] = "1"
     handler = RichHandler(console=console, show_path=False, markup=False)
     logger = logging.getLogger("raylane")
     logger.handlers[:] = [handler]
@@ -88,9 +101,13 @@ def prepare(config: ConfigOption = DEFAULT_CONFIG, overrides: SetOption = None) 
 
 
 @app.command()
-def train(config: ConfigOption = DEFAULT_CONFIG, overrides: SetOption = None) -> None:
+def train(
+    config: ConfigOption = DEFAULT_CONFIG,
+    overrides: SetOption = None,
+    verbose: VerboseOption = False,
+) -> None:
     """Train with the config's parallelism strategy on Ray Train; track and register in MLflow."""
-    _setup_logging()
+    _setup_logging(verbose)
     cfg = _load(config, overrides)
     from raylane.runtime import connect_ray, disconnect_ray
     from raylane.train.job import check_run_inputs, run_training
@@ -137,9 +154,10 @@ def deploy(
     detach: Annotated[
         bool, typer.Option(help="Return once deployed, leaving the app on the cluster.")
     ] = False,
+    verbose: VerboseOption = False,
 ) -> None:
     """Serve a registered model over the Open Inference Protocol (blocks until Ctrl-C)."""
-    _setup_logging()
+    _setup_logging(verbose)
     cfg = _load(config, [*(overrides or []), *_version_override(version)])
     from raylane.runtime import connect_ray, disconnect_ray
     from raylane.serving.app import deploy as deploy_app
@@ -258,12 +276,13 @@ def tune(
         Path, typer.Option("--config", "-c", help="Search spec YAML (see configs/tune/).")
     ] = Path("configs/tune/parallelism.yaml"),
     overrides: SetOption = None,
+    verbose: VerboseOption = False,
 ) -> None:
     """Search parallelism layouts with Ray Tune on measured throughput; emit the best config.
 
     Example: raylane tune --config configs/tune/parallelism.yaml --set trial.epochs=3
     """
-    _setup_logging()
+    _setup_logging(verbose)
     from raylane.runtime import connect_ray, disconnect_ray
     from raylane.tune.planner import plan
     from raylane.tune.spec import load_spec
@@ -289,11 +308,12 @@ def quickstart(
     config: ConfigOption = DEFAULT_CONFIG,
     overrides: SetOption = None,
     requests: Annotated[int, typer.Option(min=1, max=100, help="Rows to send.")] = 10,
+    verbose: VerboseOption = False,
 ) -> None:
     """Prepare, train (DDP), register, deploy, query the endpoint over HTTP, shut down."""
     from raylane.quickstart import run_quickstart
 
-    _setup_logging()
+    _setup_logging(verbose)
     cfg = _load(config, overrides)
     try:
         run_quickstart(cfg, rows=requests, console=console)

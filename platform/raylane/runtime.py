@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
+
+
+def verbose() -> bool:
+    """Whether Ray's worker logs stream to this console (`--verbose`, or RAYLANE_VERBOSE=1)."""
+    return os.environ.get("RAYLANE_VERBOSE") == "1"
 
 
 def connect_ray(address: str | None = None, serve_ingress: str | None = None) -> bool:
@@ -27,7 +33,12 @@ def connect_ray(address: str | None = None, serve_ingress: str | None = None) ->
         apply_ingress_env(serve_ingress)
     # "local" always starts a new Ray for this process, even when another one (say a
     # `ray start` cluster of someone else's) runs on the machine.
-    ray.init(address=address or "local", logging_level=logging.WARNING)
+    context = ray.init(
+        address=address or "local", logging_level=logging.WARNING, log_to_driver=verbose()
+    )
+    if not verbose():
+        logs = Path(context.address_info.get("session_dir", "/tmp/ray/session_latest")) / "logs"
+        logging.getLogger("raylane").info("Ray's logs: %s (--verbose shows them here)", logs)
     return address is None
 
 

@@ -248,11 +248,12 @@ def test_scales_up_under_load_replaces_a_killed_replica_and_scales_down(
     after_kill = [status for end, status, _ in result.events if end > killed_at + 2.0]
     assert after_kill and set(after_kill) == {200}, set(after_kill)
     # Only requests on the killed replica may fail: with the HAProxy ingress each replica holds
-    # its own queue, so that is at most max_ongoing_requests + max_queued_requests (8 + 16),
-    # and they fail as dropped connections, never as a 5xx.
+    # its own queue, so that is at most max_ongoing_requests + max_queued_requests (8 + 16).
+    # They fail as a dropped connection or as HAProxy's own 500 for a request whose server
+    # went away (Serve's HAProxy config answers 502/503/504 as 500); nothing else.
     failed = result.requests - result.statuses[200] + len(result.failures)
     assert failed <= 8 + 16, (result.statuses, result.failures[:3])
-    assert set(result.statuses) == {200}, result.statuses
+    assert set(result.statuses) <= {200, 500}, result.statuses
 
     _wait_for(lambda: _running_replicas() == 1, "scaling back down to 1 replica")
     status = _cli(ray_cluster, "status", "--config", str(REFERENCE), *_set_args(overrides))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import mlflow
@@ -120,3 +122,27 @@ def test_worse_model_does_not_take_alias_and_seeded_runs_repeat(trained, client,
     # Same seed, same data, CPU: the two runs are identical.
     assert first.metrics["train_loss"] == second.metrics["train_loss"]
     assert first.metrics["val_loss"] == second.metrics["val_loss"]
+
+
+def _train_cli(ray_cluster, workspace, *args: str) -> subprocess.CompletedProcess:
+    env = {**ray_cluster.client_env, "RAY_ADDRESS": ray_cluster.address, "COLUMNS": "200"}
+    return subprocess.run(
+        [sys.executable, "-m", "raylane.cli", "train", "--config", str(REFERENCE),
+         *[a for o in workspace.overrides("training.epochs=2") for a in ("--set", o)], *args],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def test_train_console_shows_epochs_not_ray_internals_unless_verbose(ray_cluster, workspace):
+    quiet = _train_cli(ray_cluster, workspace)
+    assert quiet.returncode == 0, quiet.stderr[-3000:]
+    console = (quiet.stdout + quiet.stderr).splitlines()
+    assert any("epoch 1/2" in line and "ETA" in line for line in console), console
+    assert any("epoch 2/2" in line and "val_accuracy" in line for line in console), console
+    ray_markers = ("TrainController", "RayTrainWorker", "SplitCoordinator", "TrainingReport")
+    assert not [line for line in console if any(m in line for m in ray_markers)], console
+    assert len(console) <= 30, "\n".join(console)
+
+    verbose = _train_cli(ray_cluster, workspace, "--verbose")
+    assert verbose.returncode == 0, verbose.stderr[-3000:]
+    assert any(m in verbose.stdout + verbose.stderr for m in ray_markers)

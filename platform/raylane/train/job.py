@@ -87,6 +87,7 @@ def run_training(cfg: RaylaneConfig) -> TrainingOutcome:
     from raylane.tracking.cluster import snapshot_cluster
     from raylane.tracking.registry import register_if_better
     from raylane.tracking.runs import log_run_context, log_trained_model
+    from raylane.train.progress import EpochProgress
     from raylane.train.trainer import build_trainer
 
     tracking_uri = preflight(cfg)
@@ -111,7 +112,8 @@ def run_training(cfg: RaylaneConfig) -> TrainingOutcome:
             cfg.parallelism.workers,
             cfg.training.epochs,
         )
-        result = trainer.fit()
+        with EpochProgress(tracking_uri, run.info.run_id, cfg.training.epochs):
+            result = trainer.fit()
         if result.checkpoint is None:
             raise RuntimeError(f"run {run_name} ended without a checkpoint")
         metrics = {k: v for k, v in result.metrics.items() if isinstance(v, int | float)}

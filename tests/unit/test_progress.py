@@ -1,0 +1,23 @@
+from raylane.train.progress import format_epoch
+
+
+def test_an_epoch_line_has_the_numbers_that_matter_and_an_eta():
+    line = format_epoch(
+        2,
+        10,
+        {
+            "train_loss": 0.41234,
+            "val_loss": 0.38,
+            "val_accuracy": 0.912,
+            "train_samples_per_s": 1234.4,
+        },
+        12.0,
+    )
+    assert line == (
+        "epoch 3/10  train_loss 0.4123  val_loss 0.3800  val_accuracy 0.9120  "
+        "1,234 samples/s  12 s elapsed  ETA 28 s"
+    )
+
+
+def test_the_last_epoch_has_no_eta_and_missing_metrics_are_left_out():
+    assert format_epoch(4, 5, {"val_loss": 1.0}, 50.0) == "epoch 5/5  val_loss 1.0000  50 s elapsed"
