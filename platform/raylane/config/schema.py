@@ -309,6 +309,11 @@ class ServingConfig(StrictModel):
     log_encoding: Literal["JSON", "TEXT"] = Field(
         "JSON", description="Replica log format; JSON access logs carry request ids."
     )
+    access_log: bool = Field(
+        True,
+        description="Write one access-log line per request in the replica logs (turning it off "
+        "changed throughput by less than the noise in benchmarks/serve_load.py).",
+    )
     autoscaling: AutoscalingConfig = Field(
         default_factory=AutoscalingConfig, description="Replica autoscaling."
     )

@@ -38,7 +38,9 @@ def build_app(cfg: RaylaneConfig, tracking_uri: str, version: int, api_key: str 
             status_code=503, retry_after_s=serving.retry_after_s
         ),
         max_surge_percent=serving.surge_percent,
-        logging_config=LoggingConfig(encoding=serving.log_encoding, enable_access_log=True),
+        logging_config=LoggingConfig(
+            encoding=serving.log_encoding, enable_access_log=serving.access_log
+        ),
         autoscaling_config={
             "min_replicas": scaling.min_replicas,
             "initial_replicas": max(1, scaling.min_replicas),
