@@ -12,6 +12,7 @@ def test_an_epoch_line_has_the_numbers_that_matter_and_an_eta():
             "train_samples_per_s": 1234.4,
         },
         12.0,
+        4.0,
     )
     assert line == (
         "epoch 3/10  train_loss 0.4123  val_loss 0.3800  val_accuracy 0.9120  "
@@ -20,4 +21,9 @@ def test_an_epoch_line_has_the_numbers_that_matter_and_an_eta():
 
 
 def test_the_last_epoch_has_no_eta_and_missing_metrics_are_left_out():
-    assert format_epoch(4, 5, {"val_loss": 1.0}, 50.0) == "epoch 5/5  val_loss 1.0000  50 s elapsed"
+    line = format_epoch(4, 5, {"val_loss": 1.0}, 50.0, 3.0)
+    assert line == "epoch 5/5  val_loss 1.0000  50 s elapsed"
+
+
+def test_no_eta_before_the_epoch_rate_is_known():
+    assert "ETA" not in format_epoch(0, 5, {"val_loss": 1.0}, 50.0)

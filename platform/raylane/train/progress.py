@@ -18,16 +18,26 @@ log = logging.getLogger("raylane")
 SHOWN = ("train_loss", "val_loss", "val_accuracy")
 
 
-def format_epoch(epoch: int, epochs: int, metrics: dict[str, float], elapsed_s: float) -> str:
-    """`epoch 3/10  train_loss 0.4123  ...  1,234 samples/s  12 s elapsed  ETA 28 s`."""
+def format_epoch(
+    epoch: int,
+    epochs: int,
+    metrics: dict[str, float],
+    elapsed_s: float,
+    seconds_per_epoch: float | None = None,
+) -> str:
+    """`epoch 3/10  train_loss 0.4123  ...  1,234 samples/s  12 s elapsed  ETA 28 s`.
+
+    The ETA needs `seconds_per_epoch`, measured from the second epoch on: the first one also
+    pays for starting the worker group.
+    """
     done = epoch + 1
     parts = [f"epoch {done}/{epochs}"]
     parts += [f"{key} {metrics[key]:.4f}" for key in SHOWN if key in metrics]
     if "train_samples_per_s" in metrics:
         parts.append(f"{metrics['train_samples_per_s']:,.0f} samples/s")
     parts.append(f"{elapsed_s:.0f} s elapsed")
-    if done < epochs:
-        parts.append(f"ETA {elapsed_s / done * (epochs - done):.0f} s")
+    if done < epochs and seconds_per_epoch is not None:
+        parts.append(f"ETA {seconds_per_epoch * (epochs - done):.0f} s")
     return "  ".join(parts)
 
 
@@ -53,6 +63,7 @@ class EpochProgress:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="epoch-progress", daemon=True)
         self._started = 0.0
+        self._first: tuple[int, float] | None = None  # (epoch, when it was seen)
 
     def __enter__(self) -> EpochProgress:
         self._started = time.monotonic()
@@ -78,7 +89,13 @@ class EpochProgress:
             for metric in self._client.get_metric_history(self._run_id, key):
                 history.setdefault(key, {})[metric.step] = metric.value
         steps = sorted(set(history.get("val_loss", {})) - self._shown)
+        now = time.monotonic()
         for step in steps:
             metrics = {key: values[step] for key, values in history.items() if step in values}
+            if self._first is None:
+                self._first = (step, now)
+            per_epoch = None
+            if step > self._first[0]:
+                per_epoch = (now - self._first[1]) / (step - self._first[0])
             self._shown.add(step)
-            self._emit(format_epoch(step, self._epochs, metrics, time.monotonic() - self._started))
+            self._emit(format_epoch(step, self._epochs, metrics, now - self._started, per_epoch))
