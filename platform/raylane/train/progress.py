@@ -63,7 +63,7 @@ class EpochProgress:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="epoch-progress", daemon=True)
         self._started = 0.0
-        self._first: tuple[int, float] | None = None  # (epoch, when it was seen)
+        self._first: tuple[int, int] | None = None  # (first epoch seen, its log time in ms)
 
     def __enter__(self) -> EpochProgress:
         self._started = time.monotonic()
@@ -85,17 +85,19 @@ class EpochProgress:
     def poll(self) -> None:
         """Emit a line for each epoch logged since the last poll, in order."""
         history: dict[str, dict[int, float]] = {}
+        logged_ms: dict[int, int] = {}  # when rank 0 logged each epoch
         for key in (*SHOWN, "train_samples_per_s"):
             for metric in self._client.get_metric_history(self._run_id, key):
                 history.setdefault(key, {})[metric.step] = metric.value
-        steps = sorted(set(history.get("val_loss", {})) - self._shown)
+                if key == "val_loss":
+                    logged_ms[metric.step] = metric.timestamp
         now = time.monotonic()
-        for step in steps:
+        for step in sorted(set(logged_ms) - self._shown):
             metrics = {key: values[step] for key, values in history.items() if step in values}
             if self._first is None:
-                self._first = (step, now)
+                self._first = (step, logged_ms[step])
             per_epoch = None
             if step > self._first[0]:
-                per_epoch = (now - self._first[1]) / (step - self._first[0])
+                per_epoch = (logged_ms[step] - self._first[1]) / 1000 / (step - self._first[0])
             self._shown.add(step)
             self._emit(format_epoch(step, self._epochs, metrics, now - self._started, per_epoch))

@@ -67,8 +67,14 @@ def _worker_config(cfg: RaylaneConfig) -> dict:
 
 
 def _ordered_ingest_options():
-    from ray.train import DataConfig
+    # Train's DataConfig.default_ingest_options() copies Ray Data's deprecated
+    # `exclude_resources` along (and warns on every run); these are the same options without it.
+    from ray.data import ExecutionOptions
+    from ray.data.context import DataContext
 
-    options = DataConfig.default_ingest_options()
-    options.preserve_order = True
-    return options
+    current = DataContext.get_current().execution_options
+    return ExecutionOptions(
+        resource_limits=current.resource_limits,
+        preserve_order=True,
+        verbose_progress=current.verbose_progress,
+    )
