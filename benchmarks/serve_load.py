@@ -284,12 +284,13 @@ def main() -> None:
         large_json_rate = large_json.throughput * args.large_rows
         large_binary_rate = large_binary.throughput * args.large_rows
 
-    def row(name: str, result: LoadResult | None, rate: float, batch: float) -> str:
+    def row(name: str, result: LoadResult | None, rate: float, batch: float | None) -> str:
+        shown = "-" if batch is None else f"{batch:.1f}"  # None: not counted for this setup
         if result is None:
-            return f"{name:<28} {rate:>9.0f} {'-':>8} {'-':>8} {'-':>8} {batch:>6.1f} {'-':>7}"
+            return f"{name:<28} {rate:>9.0f} {'-':>8} {'-':>8} {'-':>8} {shown:>6} {'-':>7}"
         return (
             f"{name:<28} {rate:>9.0f} {result.percentile_ms(50):>8.1f} "
-            f"{result.percentile_ms(95):>8.1f} {result.percentile_ms(99):>8.1f} {batch:>6.1f} "
+            f"{result.percentile_ms(95):>8.1f} {result.percentile_ms(99):>8.1f} {shown:>6} "
             f"{result.client_cpu_share:>7.0%}"
         )
 
@@ -303,11 +304,11 @@ def main() -> None:
     )
     print(row("(a) raylane Serve", served, served.throughput, mean_batch))
     print(row("(b) plain FastAPI", plain, plain.throughput, 1.0))
-    print(row("(d) FastAPI + micro-batcher", batched, batched.throughput, float("nan")))
+    print(row("(d) FastAPI + micro-batcher", batched, batched.throughput, None))
     print(row("(c) bare batched forward", None, bare_rate, float(args.batch_size)))
     print(f"\n{args.large_clients} clients, {args.large_rows} rows ({args.large_rows * 64} floats)")
-    print(row("(a) raylane, JSON", large_json, large_json_rate, float("nan")))
-    print(row("(a) raylane, binary tensors", large_binary, large_binary_rate, float("nan")))
+    print(row("(a) raylane, JSON", large_json, large_json_rate, None))
+    print(row("(a) raylane, binary tensors", large_binary, large_binary_rate, None))
     print(
         json.dumps(
             {

@@ -38,7 +38,6 @@ def query_endpoint(
 
 
 def run_quickstart(cfg: RaylaneConfig, rows: int, console: Console) -> None:
-
     from raylane.data import ensure_dataset
     from raylane.data.parquet import read_rows
     from raylane.runtime import connect_ray, disconnect_ray
@@ -78,8 +77,5 @@ def run_quickstart(cfg: RaylaneConfig, rows: int, console: Console) -> None:
         console.print(f"run: {outcome.run_id}  checkpoint: {outcome.checkpoint_path}")
     finally:
         console.rule("shutting down")
-        import ray
-
-        if ray.is_initialized():
-            shutdown_serve()
+        shutdown_serve()  # a no-op when Ray is not running
         disconnect_ray(started)

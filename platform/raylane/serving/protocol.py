@@ -5,8 +5,8 @@ tensor data extension, as raw little-endian bytes after the JSON header
 (`raylane.serving.binary_tensors`). Every check here raises `ProtocolError` with a message that
 names the problem; the server answers it with a 4xx.
 
-Tensors are checked with numpy, not element by element in Python: the body of a 16k-float
-request is parsed and checked in about the time the JSON decoder takes.
+Tensors are checked with numpy in bulk, not element by element in Python: per-request Python
+work is what bounds a replica's throughput (benchmarks/README.md).
 """
 
 from __future__ import annotations
