@@ -11,12 +11,13 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _spec(**search) -> TuneSpec:
     budget = search.pop("cpus", 2.0)
+    per_worker = search.pop("cpus_per_worker", 0.45)
     return TuneSpec.model_validate(
         {
             "experiment": "t",
             "base": str(ROOT / "configs" / "train" / "lm_pipeline.yaml"),
             "search": {"batch_size": [32], **search},
-            "constraints": {"cpus": budget, "cpus_per_worker": 0.5},
+            "constraints": {"cpus": budget, "cpus_per_worker": per_worker},
         }
     )
 
@@ -61,7 +62,19 @@ def test_cpu_budget_prunes_large_worker_groups_with_the_numbers():
     valid, pruned = enumerate_candidates(_spec(strategy=["ddp"], workers=[2, 4], cpus=1.0))
     assert _layouts(valid) == [("ddp", 2, 1, 1)]
     (item,) = pruned
-    assert item.reason == "needs 2 CPUs (4 workers x 0.5), budget is 1"
+    assert item.reason == (
+        "needs 1.81 CPUs (4 workers x 0.45 + 0.01 for the trial driver), budget is 1"
+    )
+
+
+def test_a_group_that_fills_the_budget_is_pruned_since_its_driver_needs_a_share_too():
+    # 4 x 0.5 = 2 CPUs plus the trial driver's share cannot start on 2 CPUs: Ray would wait
+    # for the worker group forever.
+    valid, pruned = enumerate_candidates(
+        _spec(strategy=["ddp"], workers=[2, 4], cpus=2.0, cpus_per_worker=0.5)
+    )
+    assert _layouts(valid) == [("ddp", 2, 1, 1)]
+    assert [p.candidate.key for p in pruned] == ["ddp-w4-dp4xpp1-m1-b32"]
 
 
 def test_compression_is_pruned_where_nothing_is_all_reduced_through_ddp():

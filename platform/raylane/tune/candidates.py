@@ -42,6 +42,11 @@ class Candidate:
         return [f"{k}={_yaml_value(v)}" for k, v in self.overrides.items()]
 
 
+# What each trial's Tune function reserves while it waits on its Train workers: a sliver, so
+# the workers can start, but it counts against the budget (a full budget would deadlock).
+TRIAL_DRIVER_CPU = 0.01
+
+
 @dataclass(frozen=True)
 class Pruned:
     candidate: Candidate
@@ -119,9 +124,13 @@ def prune_reason(spec: TuneSpec, candidate: Candidate) -> str | None:
     """Why `candidate` cannot run within the spec, or None."""
     o = candidate.overrides
     workers = o["parallelism.workers"]
-    need = workers * spec.constraints.cpus_per_worker
+    per_worker = spec.constraints.cpus_per_worker
+    need = workers * per_worker + TRIAL_DRIVER_CPU
     if need > spec.constraints.cpus + 1e-9:
-        return f"needs {need:g} CPUs ({workers} workers x {spec.constraints.cpus_per_worker:g}), budget is {spec.constraints.cpus:g}"  # noqa: E501
+        return (
+            f"needs {need:g} CPUs ({workers} workers x {per_worker:g} + {TRIAL_DRIVER_CPU:g} for "
+            f"the trial driver), budget is {spec.constraints.cpus:g}"
+        )
     if o["parallelism.grad_compression"] != "none" and workers == 1:
         return "one worker all-reduces no gradients: nothing to compress"
     try:

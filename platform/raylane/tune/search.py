@@ -8,7 +8,15 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from raylane.tune.candidates import Candidate, Pruned, enumerate_candidates, trial_config
+from raylane.runtime import verbose
+from raylane.tune.candidates import (
+    TRIAL_DRIVER_CPU,
+    Candidate,
+    Pruned,
+    enumerate_candidates,
+    trial_config,
+)
+from raylane.tune.progress import TrialProgress
 from raylane.tune.spec import TuneSpec
 
 log = logging.getLogger("raylane")
@@ -105,6 +113,20 @@ def _last_error_line(lines: list[str]) -> str:
     return meaningful[-1][:300] if meaningful else "unknown error"
 
 
+def _check_cluster_fits(spec: TuneSpec) -> None:
+    """A budget larger than the cluster would leave trials waiting for workers forever."""
+    import ray
+
+    from raylane.config import ConfigError
+
+    cluster_cpus = ray.cluster_resources().get("CPU", 0.0)
+    if spec.constraints.cpus > cluster_cpus + 1e-9:
+        raise ConfigError(
+            f"constraints.cpus is {spec.constraints.cpus:g} but the Ray cluster has "
+            f"{cluster_cpus:g} CPUs: lower it (--set constraints.cpus={cluster_cpus:g})"
+        )
+
+
 def run_search(spec: TuneSpec) -> SearchOutcome:
     """Measure every valid candidate, one trial at a time, with ASHA early stopping.
 
@@ -117,25 +139,27 @@ def run_search(spec: TuneSpec) -> SearchOutcome:
     from raylane.tune.trial import trial_driver
 
     candidates, pruned = enumerate_candidates(spec)
-    log.info("%d candidate layouts to measure, %d pruned", len(candidates), len(pruned))
+    log.info(
+        "%d candidate layouts to measure, %d pruned (reasons in the table at the end)",
+        len(candidates),
+        len(pruned),
+    )
     for item in pruned:
-        log.info("pruned %s: %s", item.candidate.key, item.reason)
+        log.debug("pruned %s: %s", item.candidate.key, item.reason)
     if not candidates:
         return SearchOutcome([], pruned, 0.0)
+    _check_cluster_fits(spec)
     ensure_dataset(trial_config(spec, candidates[0]))
 
     by_key = {c.key: c for c in candidates}
-    space = {
-        "key": tune.grid_search(list(by_key)),
-        "config": tune.sample_from(
-            lambda s: trial_config(spec, by_key[s.config["key"]]).model_dump(mode="json")
-        ),
-    }
+    configs = {key: trial_config(spec, c).model_dump(mode="json") for key, c in by_key.items()}
     start = time.perf_counter()
     tuner = tune.Tuner(
         # The driver only waits on its Train workers: a sliver of CPU, so workers can start.
-        tune.with_resources(trial_driver, {"CPU": 0.01}),
-        param_space=space,
+        tune.with_resources(
+            tune.with_parameters(trial_driver, configs=configs), {"CPU": TRIAL_DRIVER_CPU}
+        ),
+        param_space={"key": tune.grid_search(list(by_key))},
         tune_config=tune.TuneConfig(
             metric=METRIC,
             mode="max",
@@ -145,7 +169,9 @@ def run_search(spec: TuneSpec) -> SearchOutcome:
         run_config=tune.RunConfig(
             name=f"{spec.experiment}-{time.strftime('%Y%m%d-%H%M%S')}",
             storage_path=str(spec.storage_path.resolve()),
-            verbose=1,
+            # raylane prints one line per trial; Tune's own status tables only with --verbose.
+            verbose=1 if verbose() else 0,
+            callbacks=[TrialProgress(len(by_key), spec.trial.epochs)],
         ),
     )
     grid = tuner.fit()

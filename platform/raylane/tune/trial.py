@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 
-def trial_driver(trial: dict[str, Any]) -> None:
+def trial_driver(trial: dict[str, Any], configs: dict[str, dict[str, Any]]) -> None:
     """Tune function trainable: build and fit the candidate's TorchTrainer.
+
+    `trial["key"]` names the layout; `configs` maps every key to its resolved config.
 
     Train V2 refuses Tune callbacks in its RunConfig; `TuneReportCallback` (a Train user
     callback) forwards each epoch's report to this trial instead.
@@ -19,7 +21,7 @@ def trial_driver(trial: dict[str, Any]) -> None:
     from raylane.data.ray_datasets import read_datasets
     from raylane.train.trainer import build_trainer
 
-    cfg = RaylaneConfig.model_validate(trial["config"])
+    cfg = RaylaneConfig.model_validate(configs[trial["key"]])
     trainer = build_trainer(
         cfg,
         read_datasets(cfg),
