@@ -90,6 +90,7 @@ def ray_cluster():
             "--dashboard-host=127.0.0.1",
             f"--dashboard-port={dashboard_port}",
             f"--metrics-export-port={metrics_port}",
+            f"--ray-client-server-port={free_port()}",  # README blocks `ray start` the default
             "--num-cpus=4",
             "--disable-usage-stats",
         ],

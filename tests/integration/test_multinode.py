@@ -17,7 +17,10 @@ def _run(workspace, *overrides: str):
     cfg = load_config(
         REFERENCE,
         workspace.overrides(
-            "training.epochs=1", "tracking.registered_model=raylane-digits-multinode", *overrides
+            "training.epochs=1",
+            "tracking.registered_model=raylane-digits-multinode",
+            "tracking.system_metrics_interval_s=1",
+            *overrides,
         ),
     )
     outcome = run_training(cfg)
@@ -26,13 +29,19 @@ def _run(workspace, *overrides: str):
     def artifact(path: str) -> dict:
         return json.loads(Path(client.download_artifacts(outcome.run_id, path)).read_text())
 
-    return artifact("parallel/placement.json")["ranks"], artifact("cluster/snapshot.json")
+    placement = artifact("parallel/placement.json")["ranks"]
+    metrics = client.get_run(outcome.run_id).data.metrics
+    for rank in placement:  # each node that ran workers sampled itself into the run
+        for name in ("cpu_utilization_percentage", "system_memory_usage_megabytes"):
+            assert f"system/{rank['node']}/{name}" in metrics, sorted(metrics)
+    return placement, artifact("cluster/snapshot.json")
 
 
 def test_ddp_workers_spread_over_both_nodes_and_the_run_records_them(second_node, workspace):
     placement, snapshot = _run(workspace, "parallelism.placement_strategy=STRICT_SPREAD")
     worker_nodes = {rank["node_id"] for rank in placement}
     assert len(placement) == 2 and len(worker_nodes) == 2
+    assert len({rank["node"] for rank in placement}) == 2  # two nodes in System metrics
     assert worker_nodes == {node["node_id"] for node in snapshot["nodes"]}
     assert second_node in worker_nodes
 

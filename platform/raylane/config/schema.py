@@ -220,6 +220,13 @@ class TrackingConfig(StrictModel):
         description="Validation metric (higher is better) that decides whether a new version "
         "takes the champion alias.",
     )
+    system_metrics_interval_s: float = Field(
+        5.0,
+        ge=0,
+        description="Seconds between samples of CPU, memory, disk, network (and GPU) on every "
+        "node that runs workers, logged as the run's system metrics `system/<node>/...`; "
+        "0 turns them off.",
+    )
 
 
 class AutoscalingConfig(StrictModel):

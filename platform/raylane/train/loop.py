@@ -122,12 +122,16 @@ def _evaluate(strategy, model, shard, cfg):
 
 
 def _gather_placement(rank: int) -> list[dict]:
-    """Every rank's Ray node id, host and pid (collective: every rank calls)."""
+    """Every rank's Ray node id, system-metrics node label, host and pid (collective: every
+    rank calls)."""
+    from raylane.tracking.system_metrics import node_label
+
     import socket
 
     mine = {
         "rank": rank,
         "node_id": ray.get_runtime_context().get_node_id(),
+        "node": node_label(),
         "host": socket.gethostname(),
         "pid": os.getpid(),
     }
@@ -142,7 +146,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Train the configured model on this worker's data, reporting once per epoch.
 
     `loop_config` holds the resolved config (`config`), and the MLflow run to log into
-    (`tracking_uri`, `run_id`; rank 0 only).
+    (`tracking_uri`, `run_id`): rank 0 logs the epochs, local rank 0 of each node its
+    system metrics.
     """
     cfg = RaylaneConfig.model_validate(loop_config["config"])
     context = ray.train.get_context()
@@ -172,13 +177,27 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             )
 
     placement = _gather_placement(rank)
-    epoch_logger = None
-    if rank == 0 and loop_config.get("run_id"):
+    epoch_logger = monitor = None
+    if loop_config.get("run_id"):
         from raylane.tracking.runs import EpochLogger
+        from raylane.tracking.system_metrics import start_node_monitor
 
-        epoch_logger = EpochLogger(loop_config["tracking_uri"], loop_config["run_id"])
-        epoch_logger.log_placement(placement)
+        uri, run_id = loop_config["tracking_uri"], loop_config["run_id"]
+        if rank == 0:
+            epoch_logger = EpochLogger(uri, run_id)
+            epoch_logger.log_placement(placement)
+        monitor = start_node_monitor(
+            uri, run_id, cfg.tracking.system_metrics_interval_s, context.get_local_rank()
+        )
+    try:
+        _train_epochs(strategy, model, optimizer, cfg, start_epoch, rank, epoch_logger)
+    finally:
+        if monitor is not None:
+            monitor.finish()
 
+
+def _train_epochs(strategy, model, optimizer, cfg, start_epoch, rank, epoch_logger) -> None:
+    """From `start_epoch` on: train, evaluate, log (rank 0), checkpoint and report each epoch."""
     train_shard = ray.train.get_dataset_shard("train")
     validation_shard = ray.train.get_dataset_shard("validation")
     for epoch in range(start_epoch, cfg.training.epochs):

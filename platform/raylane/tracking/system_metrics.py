@@ -1,0 +1,41 @@
+"""Per-node resource samples in the run's System metrics, from inside the worker group.
+
+The driver may run on a machine that trains nothing; what a user wants to see is where the
+workers spent CPU, memory, network (and GPU). One worker per node (local rank 0) runs MLflow's
+own `SystemMetricsMonitor` into the run, keyed by node (`system/<node>/cpu_utilization_percentage`),
+so a multi-node run shows each node side by side in the MLflow UI's System metrics tab.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def node_label() -> str:
+    """The node's name in metric keys: its IP and the start of its Ray node id (several nodes
+    of a test or laptop cluster share one IP)."""
+    import ray
+
+    node_id = ray.get_runtime_context().get_node_id()
+    return f"{ray.util.get_node_ip_address()}-{node_id[:6]}"
+
+
+def start_node_monitor(
+    tracking_uri: str, run_id: str, interval_s: float, local_rank: int
+) -> Any | None:
+    """Start sampling this node into the run (local rank 0 only); None when off or not ours."""
+    if interval_s <= 0 or local_rank != 0:
+        return None
+    from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+    monitor = SystemMetricsMonitor(
+        run_id,
+        sampling_interval=interval_s,
+        samples_before_logging=1,
+        # A restarted worker group continues the same run: its samples follow the earlier ones.
+        resume_logging=True,
+        node_id=node_label(),
+        tracking_uri=tracking_uri,
+    )
+    monitor.start()
+    return monitor

@@ -1,0 +1,201 @@
+"""The README's runnable blocks, executed as written from a fresh copy, in README order.
+
+Blocks share one copy (data prepared, models registered, the MLflow store), as they would for
+a person reading from the top. The only changes to the text are the documented placeholders
+(`<run>`, `<old>`, `<new>`). Servers (`raylane deploy`, `serve run`, `mlflow ui`) are started,
+used and stopped with Ctrl-C; clusters a block starts are stopped even when it fails.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import urllib.request
+
+import pytest
+
+from raylane.config import load_config
+from tests.readme_blocks import Block, read_blocks
+
+from .readme_runner import Background, BlockRun, clean_env, fresh_copy, run_block, run_commands
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+RUN = [b for b in read_blocks() if b.mode == "run"]
+CLAIMED: list[Block] = []
+RAY_INTERNALS = ("TrainController", "RayTrainWorker", "SplitCoordinator", "TrainingReport")
+ENDPOINT = "http://127.0.0.1:8000"
+
+
+def block(command: str) -> Block:
+    """The one runnable block with a command starting with `command`."""
+    found = [b for b in RUN if any(c.startswith(command) for c in b.commands())]
+    assert len(found) == 1, f"README has {len(found)} runnable blocks with {command!r}"
+    CLAIMED.append(found[0])
+    return found[0]
+
+
+COMMAND_LINE = block("raylane prepare")
+PIPELINES = block("raylane train --config configs/train/lm_pipeline.yaml")
+TUNE = block("raylane tune")
+MLFLOW_UI = block(".venv/bin/mlflow ui")
+DEPLOY = block("raylane deploy --config")
+CALLS = block("curl -s http://127.0.0.1:8000/v2/models/digits/infer")
+TRITON = block("import numpy as np, tritonclient")
+SERVE_RUN = block("serve run serving/config.yaml")
+ROLLING = block("raylane promote <old>")
+JOBS = block("ray job submit")
+
+
+def test_every_runnable_block_is_run_here():
+    unclaimed = [b.where for b in RUN if b not in CLAIMED]
+    assert not unclaimed, f"runnable README blocks no test runs: {unclaimed}"
+
+
+@pytest.fixture(scope="module")
+def readme(tmp_path_factory):
+    root = tmp_path_factory.mktemp("readme")
+    copy = fresh_copy(root / "raylane")
+    env = clean_env(copy, root / "home")
+    env["COLUMNS"] = "200"  # a wide terminal: tables keep paths on one line
+    return copy, env, root
+
+
+def _ok(run: BlockRun, what: str) -> BlockRun:
+    assert run.returncode == 0, f"{what} failed (exit {run.returncode}):\n{run.output[-6000:]}"
+    return run
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        assert answer.status == 200
+        return json.loads(answer.read())
+
+
+def _port_closed(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def _ray_stop(copy, env) -> None:
+    subprocess.run(["ray", "stop", "--force"], cwd=copy, env=env, capture_output=True, timeout=120)
+
+
+def test_command_line_block(readme):
+    copy, env, _ = readme
+    run = _ok(run_block(COMMAND_LINE, copy, env, timeout_s=900), COMMAND_LINE.where)
+
+    train = run.command("raylane train").lines
+    assert any("epoch 3/3" in line and "val_accuracy" in line for line in train), train
+    assert not [line for line in train if any(m in line for m in RAY_INTERNALS)], train
+    assert not [line for line in train if "Warning" in line], train
+    assert len(train) <= 30, "\n".join(train)
+    assert "raylane-digits@champion -> v1" in run.command("raylane promote 1").output
+
+    quickstart = run.command("raylane quickstart").output
+    correct, total = map(int, re.search(r"(\d+)/(\d+) correct", quickstart).groups())
+    assert total == 10 and correct >= 7, quickstart  # 10 rows; chance is 1 in 10
+    assert (copy / "mlflow.db").is_file() and (copy / "data" / "digits").is_dir()
+
+
+def test_pipeline_block(readme):
+    copy, env, _ = readme
+
+    def fill(command: str, done) -> str:
+        if "<run>" not in command:
+            return command
+        first = done[0].output  # the GPipe run: same layout as the resumed one
+        run_dir = re.search(r"runs/([^/\s]+)/epoch_0002", first).group(1)
+        return command.replace("<run>", run_dir)
+
+    run = _ok(run_commands(PIPELINES, copy, env, timeout_s=1200, fill=fill), PIPELINES.where)
+    for command in run.commands:
+        assert "val_loss" in command.output, command.output
+    resumed = run.commands[-1].output
+    assert "epoch 5/5" in resumed and "epoch 1/5" not in resumed, resumed
+
+
+def test_tune_block(readme):
+    copy, env, _ = readme
+    run = _ok(run_block(TUNE, copy, env, timeout_s=1200), TUNE.where)
+    assert "winner:" in run.output, run.output[-4000:]
+    best = copy / "configs" / "generated" / "lm-parallelism-best.yaml"
+    cfg = load_config(best)  # the winner is a valid, runnable training config
+    assert cfg.parallelism.strategy in ("ddp", "pipeline", "hybrid")
+    # One line per trial event, not Tune's status tables with every trial's config.
+    assert "Trial status:" not in run.output and "'config': {" not in run.output
+
+
+def test_mlflow_ui_block(readme):
+    copy, env, root = readme
+    server = Background(MLFLOW_UI, copy, env, root / "mlflow-ui.log")
+    try:
+        server.wait_until_ready("http://127.0.0.1:5000/health", timeout_s=120)
+        found = _get_json("http://127.0.0.1:5000/api/2.0/mlflow/experiments/search?max_results=50")
+        names = {e["name"] for e in found["experiments"]}
+        assert {"digits", "lm-pipeline", "lm-parallelism"} <= names, names
+    finally:
+        server.interrupt()
+    assert _port_closed(5000)
+
+
+def test_deploy_calls_and_triton_blocks(readme):
+    copy, env, root = readme
+    server = Background(DEPLOY, copy, env, root / "deploy.log")
+    try:
+        server.wait_until_ready(f"{ENDPOINT}/v2/health/ready", timeout_s=300)
+        calls = _ok(run_block(CALLS, copy, env, timeout_s=60), CALLS.where)
+        oip, rows = (json.loads(c.output) for c in calls.commands)
+        labels = {o["name"]: o["data"] for o in oip["outputs"]}
+        assert labels["label"] == [0], oip  # the README's digit is a 0
+        assert rows["predictions"][0]["label"] == 0, rows
+
+        triton = subprocess.run(
+            ["python", "-c", TRITON.text], cwd=copy, env=env, capture_output=True, text=True
+        )
+        assert triton.returncode == 0, triton.stderr[-3000:]
+        assert re.fullmatch(r"\[\d\]\n", triton.stdout), triton.stdout
+    finally:
+        code = server.interrupt()
+    assert code == 0, server.output()[-3000:]
+    assert _port_closed(8000)
+
+
+def test_serve_run_block(readme):
+    copy, env, root = readme
+    server = Background(SERVE_RUN, copy, env, root / "serve-run.log")
+    try:
+        server.wait_until_ready(f"{ENDPOINT}/v2/health/ready", timeout_s=300)
+        model = _get_json(f"{ENDPOINT}/v2/models/digits")
+        assert model["name"] == "digits" and model["versions"], model
+    finally:
+        server.interrupt()
+        _ray_stop(copy, env)
+    assert _port_closed(8000)
+
+
+def test_rolling_upgrade_block(readme):
+    copy, env, _ = readme
+    try:
+        run = run_block(ROLLING, copy, env, timeout_s=900, substitutions={"<old>": "1", "<new>": "2"})
+    finally:
+        _ray_stop(copy, env)
+    _ok(run, ROLLING.where)
+    assert "now serves v1" in run.command("raylane promote 1").output
+    assert "serving raylane-digits v2" in run.command("raylane deploy --detach --version 2").output
+    status = run.command("raylane status").output
+    assert "raylane" in status and "2" in status, status
+
+
+def test_job_submit_block(readme):
+    copy, env, _ = readme
+    try:
+        run = run_block(JOBS, copy, env, timeout_s=900)
+    finally:
+        _ray_stop(copy, env)
+    _ok(run, JOBS.where)
+    submits = [c for c in run.commands if c.text.startswith("ray job submit")]
+    assert len(submits) == 2
+    assert all("succeeded" in c.output for c in submits), [c.output[-2000:] for c in submits]
