@@ -179,7 +179,8 @@ def test_serve_run_block(readme):
 def test_rolling_upgrade_block(readme):
     copy, env, _ = readme
     try:
-        run = run_block(ROLLING, copy, env, timeout_s=900, substitutions={"<old>": "1", "<new>": "2"})
+        versions = {"<old>": "1", "<new>": "2"}
+        run = run_block(ROLLING, copy, env, timeout_s=900, substitutions=versions)
     finally:
         _ray_stop(copy, env)
     _ok(run, ROLLING.where)

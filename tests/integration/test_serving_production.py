@@ -34,21 +34,37 @@ SETTLE_S = 90.0
 
 @pytest.fixture(scope="module")
 def versions(trained, workspace):
-    """Two registry versions of the trained model under a name of this module's own."""
+    """Two registry versions under a name of this module's own, holding different weights: the
+    trained model (v1) and a differently initialised one of the same architecture (v2), so a
+    test can tell from the answers which weights serve."""
+    import mlflow
+    import numpy as np
+    import torch
     from mlflow.tracking import MlflowClient
+
+    from raylane.models import build_model
+    from raylane.tracking.runs import log_trained_model
 
     cfg, outcome = trained
     client = MlflowClient(tracking_uri=workspace.tracking_uri)
     source = client.get_model_version(cfg.tracking.registered_model, str(outcome.model_version))
     client.create_registered_model(REGISTERED)
-    made = [
-        client.create_model_version(
-            REGISTERED, source.source, run_id=source.run_id, model_id=source.model_id
-        )
-        for _ in range(2)
-    ]
-    client.set_registered_model_alias(REGISTERED, "champion", made[0].version)
-    return [int(v.version) for v in made]
+    first = client.create_model_version(
+        REGISTERED, source.source, run_id=source.run_id, model_id=source.model_id
+    )
+    torch.manual_seed(12345)
+    other = build_model(cfg.model)
+    tracking = cfg.tracking.model_copy(update={"registered_model": REGISTERED})
+    mlflow.set_tracking_uri(workspace.tracking_uri)
+    mlflow.set_experiment("serving-production-versions")
+    with mlflow.start_run():
+        example = np.asarray([ROW["inputs"][0]["data"]], dtype=np.float32)
+        log_trained_model(other, cfg.model_copy(update={"tracking": tracking}), example)
+    registered = client.search_model_versions(f"name = '{REGISTERED}'")
+    made = sorted(int(v.version) for v in registered)
+    assert made == [int(first.version), int(first.version) + 1]
+    client.set_registered_model_alias(REGISTERED, "champion", str(made[0]))
+    return made
 
 
 @pytest.fixture(scope="module")
@@ -126,6 +142,11 @@ def _wait_for(predicate, what: str, timeout_s: float = SETTLE_S) -> float:
 
 def _served_version(url: str) -> int:
     return int(httpx.get(f"{url}/v2/models/{MODEL}", headers=AUTH).json()["versions"][0])
+
+
+def _logits(url: str) -> list[float]:
+    answer = httpx.post(f"{url}{INFER}", json=ROW, headers=AUTH).json()
+    return next(o["data"] for o in answer["outputs"] if o["name"] == "logits")
 
 
 def test_inference_needs_the_api_key_but_health_does_not(endpoint):
@@ -268,6 +289,7 @@ def test_upgrade_and_rollback_under_load_fail_no_request(
 
     old, new = versions
     assert _served_version(endpoint) == old
+    old_logits = _logits(endpoint)
     with BackgroundLoad(
         endpoint, INFER, ROW, clients=8, duration_s=240, max_requests=200_000, headers=AUTH
     ) as load:
@@ -278,6 +300,8 @@ def test_upgrade_and_rollback_under_load_fail_no_request(
         assert promoted.returncode == 0, promoted.stderr
         assert f"now serves v{new}" in promoted.stderr, promoted.stderr
         assert _served_version(endpoint) == new
+        new_logits = _logits(endpoint)  # the other weights answer, not only another label
+        assert max(abs(a - b) for a, b in zip(new_logits, old_logits, strict=True)) > 1e-3
         time.sleep(2)
         _, served = deploy(load_config(REFERENCE, [*overrides, f"serving.model_version={old}"]))
         assert served == old
@@ -289,6 +313,7 @@ def test_upgrade_and_rollback_under_load_fail_no_request(
         result.failures[:3],
     )
     assert _served_version(endpoint) == old
+    assert _logits(endpoint) == pytest.approx(old_logits, abs=1e-5)
 
 
 def test_prometheus_metrics_and_json_access_logs(endpoint, ray_cluster):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import math
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -94,4 +95,5 @@ def test_best_config_validates_and_trains(search, workspace):
     assert cfg.training.steps_per_epoch is None
     outcome = run_training(cfg)
     assert outcome.metrics["train_samples_per_s"] > 0
-    assert outcome.metrics["val_loss"] < 5.55  # below a uniform guess over 256 bytes
+    # Well below a uniform guess over 256 byte values (ln 256 = 5.545): it learned.
+    assert outcome.metrics["val_loss"] < 0.8 * math.log(256)

@@ -52,6 +52,11 @@ def check_layout(cfg: RaylaneConfig) -> None:
             f"parallelism.grad_compression '{par.grad_compression}' is a DDP communication "
             f"hook; strategy '{par.strategy}' does not use DDP"
         )
+    if par.grad_compression == "bf16" and not par.use_gpu:
+        raise ValueError(
+            "parallelism.grad_compression 'bf16' needs NCCL (parallelism.use_gpu: true); "
+            "gloo on CPU cannot all-reduce bf16, use 'fp16' or 'powersgd'"
+        )
     if par.strategy == "ddp":
         if par.pp != 1 or par.dp not in (1, par.workers):
             raise ValueError(

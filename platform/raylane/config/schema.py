@@ -187,7 +187,8 @@ class ParallelismConfig(StrictModel):
     grad_compression: Literal["none", "fp16", "bf16", "powersgd"] = Field(
         "none",
         description="DDP gradient compression through a communication hook: 'fp16'/'bf16' "
-        "halve the all-reduced bytes, 'powersgd' sends a rank-1 approximation (ddp only).",
+        "halve the all-reduced bytes ('bf16' on NCCL only), 'powersgd' sends a rank-1 "
+        "approximation (ddp only).",
     )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray placement strategy of the worker group."

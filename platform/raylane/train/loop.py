@@ -124,9 +124,9 @@ def _evaluate(strategy, model, shard, cfg):
 def _gather_placement(rank: int) -> list[dict]:
     """Every rank's Ray node id, system-metrics node label, host and pid (collective: every
     rank calls)."""
-    from raylane.tracking.system_metrics import node_label
-
     import socket
+
+    from raylane.tracking.system_metrics import node_label
 
     mine = {
         "rank": rank,
@@ -147,7 +147,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
     `loop_config` holds the resolved config (`config`), and the MLflow run to log into
     (`tracking_uri`, `run_id`): rank 0 logs the epochs, local rank 0 of each node its
-    system metrics.
+    system metrics, and every rank its console output (`logs/rank-N.*`).
     """
     cfg = RaylaneConfig.model_validate(loop_config["config"])
     context = ray.train.get_context()
@@ -194,6 +194,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     finally:
         if monitor is not None:
             monitor.finish()
+        if loop_config.get("run_id"):
+            from raylane.tracking.worker_logs import log_worker_logs
+
+            log_worker_logs(loop_config["tracking_uri"], loop_config["run_id"], rank)
 
 
 def _train_epochs(strategy, model, optimizer, cfg, start_epoch, rank, epoch_logger) -> None:

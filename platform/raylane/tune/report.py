@@ -50,21 +50,29 @@ def rows(outcome: SearchOutcome) -> list[dict]:
 
 
 def print_table(outcome: SearchOutcome, console: Console) -> None:
+    """The measured trials, ranked; then the pruned layouts grouped by reason (the CSV has
+    every row)."""
     table = Table(title=f"parallelism search: {len(outcome.trials)} trials in "
                         f"{outcome.wall_s:.0f} s, {len(outcome.pruned)} pruned")  # fmt: skip
-    for name in ("rank", "layout", "samples/s", "peak MB", "status"):
-        table.add_column(
-            name, justify="right" if name in ("rank", "samples/s", "peak MB") else "left"
-        )
-    for row in rows(outcome):
+    for name in ("rank", "layout", "samples/s", "peak MB", "train_loss", "status"):
+        left = name in ("layout", "status")
+        table.add_column(name, justify="left" if left else "right", no_wrap=name == "layout")
+    for rank, trial in enumerate(outcome.ranked, start=1):
+        loss = trial.metrics.get("train_loss")
         table.add_row(
-            str(row["rank"]),
-            row["layout"],
-            "" if row["samples_per_s"] is None else f"{row['samples_per_s']:.1f}",
-            "" if row["peak_rss_mb"] is None else str(row["peak_rss_mb"]),
-            row["status"] + (f": {row['detail']}" if row["detail"] else ""),
+            str(rank),
+            trial.candidate.key,
+            "" if trial.samples_per_s is None else f"{trial.samples_per_s:.1f}",
+            "" if trial.peak_rss_mb is None else f"{trial.peak_rss_mb:.0f}",
+            "" if loss is None else f"{loss:.4f}",
+            trial.status + (f": {trial.detail}" if trial.detail else ""),
         )
     console.print(table)
+    by_reason: dict[str, list[str]] = defaultdict(list)
+    for item in outcome.pruned:
+        by_reason[item.reason].append(item.candidate.key)
+    for reason, keys in by_reason.items():
+        console.print(f"pruned {len(keys)} ({reason}): {', '.join(keys)}", highlight=False)
 
 
 def write_csv(outcome: SearchOutcome, path: Path) -> Path:

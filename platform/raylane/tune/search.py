@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -113,6 +115,21 @@ def _last_error_line(lines: list[str]) -> str:
     return meaningful[-1][:300] if meaningful else "unknown error"
 
 
+@contextlib.contextmanager
+def _tune_console(show: bool):
+    """Tune's own console output only with --verbose. At verbose=0 its current output engine
+    still prints an experiment box and paths; its classic one prints nothing, so pick that."""
+    saved = os.environ.get("RAY_AIR_NEW_OUTPUT")
+    os.environ["RAY_AIR_NEW_OUTPUT"] = "1" if show else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("RAY_AIR_NEW_OUTPUT", None)
+        else:
+            os.environ["RAY_AIR_NEW_OUTPUT"] = saved
+
+
 def _check_cluster_fits(spec: TuneSpec) -> None:
     """A budget larger than the cluster would leave trials waiting for workers forever."""
     import ray
@@ -174,7 +191,8 @@ def run_search(spec: TuneSpec) -> SearchOutcome:
             callbacks=[TrialProgress(len(by_key), spec.trial.epochs)],
         ),
     )
-    grid = tuner.fit()
+    with _tune_console(verbose()):
+        grid = tuner.fit()
     wall_s = time.perf_counter() - start
     trials = [_judge(spec, by_key[result.config["key"]], result) for result in grid]
     return SearchOutcome(trials, pruned, wall_s)
