@@ -1,7 +1,7 @@
 """Search parallelism layouts as a Ray job; writes the best config under configs/generated/.
 
     RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:8265 --working-dir . \
-        --runtime-env-json '{"env_vars": {"MLFLOW_TRACKING_URI": "sqlite:////srv/mlflow.db"}}' \
+        --runtime-env-json "$(raylane runtime-env --tracking-uri sqlite:////srv/mlflow.db)" \
         -- python pipelines/tune_parallelism.py --config configs/tune/parallelism.yaml \
            --set output_dir=/srv/raylane/generated
 
@@ -10,6 +10,8 @@ Outputs written inside the job's copy of the working directory vanish with it: p
 """
 
 import sys
+
+import _submitted  # noqa: F401  (the uploaded raylane first)
 
 from raylane.cli import app
 

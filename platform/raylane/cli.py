@@ -73,8 +73,25 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from raylane.inference import ModelNotFoundError
     from raylane.serving.guard import ApiKeyError
     from raylane.tracking import TrackingError
+    from raylane.train.job import CodeMismatchError
 
-    return (ConfigError, DataError, ModelNotFoundError, TrackingError, ApiKeyError)
+    return (
+        ConfigError, DataError, ModelNotFoundError, TrackingError, ApiKeyError, CodeMismatchError
+    )  # fmt: skip
+
+
+@app.command("runtime-env")
+def runtime_env(
+    tracking_uri: Annotated[
+        str | None,
+        typer.Option(help="MLflow tracking URI for the job (default: as `raylane train` uses)."),
+    ] = None,
+) -> None:
+    """Print the --runtime-env-json for `ray job submit` of a raylane pipeline: the tracking
+    store (absolute), the uploaded raylane first on PYTHONPATH, and the git commit."""
+    from raylane.jobs import job_runtime_env_json
+
+    print(job_runtime_env_json(tracking_uri))
 
 
 @app.command()

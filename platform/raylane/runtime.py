@@ -33,9 +33,12 @@ def connect_ray(address: str | None = None, serve_ingress: str | None = None) ->
         apply_ingress_env(serve_ingress)
     # "local" always starts a new Ray for this process, even when another one (say a
     # `ray start` cluster of someone else's) runs on the machine.
-    context = ray.init(
-        address=address or "local", logging_level=logging.WARNING, log_to_driver=verbose()
-    )
+    from raylane.console import long_step
+
+    with long_step("connecting to Ray" if address else "starting Ray"):
+        context = ray.init(
+            address=address or "local", logging_level=logging.WARNING, log_to_driver=verbose()
+        )
     if not verbose():
         logs = Path(context.address_info.get("session_dir", "/tmp/ray/session_latest")) / "logs"
         logging.getLogger("raylane").info("Ray's logs: %s (--verbose shows them here)", logs)

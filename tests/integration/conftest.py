@@ -169,7 +169,9 @@ def trained(ray_cluster, workspace):
     from raylane.config import load_config
     from raylane.train.job import run_training
 
-    cfg = load_config(REFERENCE, workspace.overrides("training.epochs=8"))
+    cfg = load_config(
+        REFERENCE, workspace.overrides("training.epochs=8", "tracking.system_metrics_interval_s=1")
+    )
     return cfg, run_training(cfg)
 
 

@@ -47,7 +47,7 @@ class BlockRun:
 
 
 def fresh_copy(target: Path) -> Path:
-    """The repository's tracked and unignored files, copied; `.venv` linked."""
+    """The repository's tracked and unignored files and its `.git`, copied; `.venv` linked."""
     listed = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
         cwd=ROOT,
@@ -59,6 +59,8 @@ def fresh_copy(target: Path) -> Path:
         if source.is_file():
             (target / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, target / name)
+    # A clone has its history: commands that record the commit (`raylane runtime-env`) see it.
+    shutil.copytree(ROOT / ".git", target / ".git", symlinks=True)
     (target / ".venv").symlink_to(ROOT / ".venv")
     return target
 

@@ -15,8 +15,10 @@ import subprocess
 import urllib.request
 
 import pytest
+from mlflow.tracking import MlflowClient
 
 from raylane.config import load_config
+from raylane.tracking.identity import code_digest
 from tests.readme_blocks import Block, read_blocks
 
 from .readme_runner import Background, BlockRun, clean_env, fresh_copy, run_block, run_commands
@@ -192,6 +194,9 @@ def test_rolling_upgrade_block(readme):
 
 def test_job_submit_block(readme):
     copy, env, _ = readme
+    client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
+    experiment = client.get_experiment_by_name("digits-ddp").experiment_id
+    before = {r.info.run_id for r in client.search_runs([experiment])}
     try:
         run = run_block(JOBS, copy, env, timeout_s=900)
     finally:
@@ -200,3 +205,11 @@ def test_job_submit_block(readme):
     submits = [c for c in run.commands if c.text.startswith("ray job submit")]
     assert len(submits) == 2
     assert all("succeeded" in c.output for c in submits), [c.output[-2000:] for c in submits]
+    # The job's run landed in the store the README points it at ($PWD/mlflow.db), with the
+    # commit it was submitted from and the code its workers ran: the uploaded copy.
+    (new,) = [r for r in client.search_runs([experiment]) if r.info.run_id not in before]
+    assert new.info.status == "FINISHED" and new.data.metrics["val_accuracy"] > 0.5
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=copy, capture_output=True, text=True)
+    assert new.data.tags["mlflow.source.git.commit"] == head.stdout.strip() != ""
+    assert new.data.tags["raylane.code_digest"] == code_digest(copy / "platform" / "raylane")
+    assert "working_dir_files" in new.data.tags["raylane.code_path"], new.data.tags

@@ -30,7 +30,7 @@ def search(ray_cluster, workspace):
             ],
             "search": {
                 "strategy": ["ddp"],
-                "workers": [1, 2, 8],  # 8 x 0.5 CPU is over the 2-CPU budget: pruned
+                "workers": [2, 8],  # 8 x 0.5 CPU is over the 2-CPU budget: pruned
                 "batch_size": [16],
                 # A checkpoint that does not exist: that trial fails at run time.
                 "extra": {"training.resume_from": [None, str(workspace.root / "missing")]},
@@ -47,11 +47,11 @@ def search(ray_cluster, workspace):
 def test_search_measures_trials_and_survives_a_crashed_one(search):
     spec, result = search
     statuses = {t.candidate.key: t.status for t in result.outcome.trials}
-    assert len(statuses) == 4
+    assert len(statuses) == 2
     failed = [t for t in result.outcome.trials if t.status == "failed"]
-    assert len(failed) == 2 and all("missing" in t.detail for t in failed)
+    assert len(failed) == 1 and all("missing" in t.detail for t in failed)
     measured = [t for t in result.outcome.trials if t.samples_per_s]
-    assert len(measured) == 2 and all(t.samples_per_s > 0 and t.peak_rss_mb > 0 for t in measured)
+    assert len(measured) == 1 and all(t.samples_per_s > 0 and t.peak_rss_mb > 0 for t in measured)
     winner = result.outcome.winner
     assert winner is not None and winner.status == "ok"
     assert winner.samples_per_s == max(t.samples_per_s for t in measured)
@@ -74,7 +74,7 @@ def test_outputs_csv_plot_and_nested_mlflow_runs(search, workspace):
         [parent.info.experiment_id],
         filter_string=f"tags.mlflow.parentRunId = '{result.mlflow_run_id}'",
     )
-    assert len(children) == 4
+    assert len(children) == 2
     ok = [c for c in children if c.data.tags["raylane.trial_status"] == "ok"]
     assert all(c.data.metrics["samples_per_s"] > 0 for c in ok)
     assert all("parallelism.workers" in c.data.params for c in children)

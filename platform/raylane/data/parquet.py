@@ -12,6 +12,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from raylane.config import RaylaneConfig
+from raylane.console import long_step
 
 
 class DataError(ValueError):
@@ -130,11 +131,13 @@ def ensure_dataset(cfg: RaylaneConfig) -> tuple[DatasetInfo, DatasetInfo]:
     if missing and data.source == "sklearn-digits":
         from raylane.data.prepare import prepare_digits
 
-        prepare_digits(data)
+        with long_step("preparing the digits dataset"):
+            prepare_digits(data)
     elif missing and data.source == "python-stdlib":
         from raylane.data.text import prepare_stdlib_text
 
-        prepare_stdlib_text(cfg)
+        with long_step("preparing the standard-library text dataset"):
+            prepare_stdlib_text(cfg)
     elif missing:
         raise DataError(f"{missing[0]}: no Parquet files found (data.source is 'parquet')")
     return check_parquet(data.train_path, cfg), check_parquet(data.validation_path, cfg)

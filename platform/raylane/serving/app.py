@@ -149,9 +149,12 @@ def deploy(cfg: RaylaneConfig) -> tuple[str, int]:
     api_key = load_api_key_for(cfg)
     app = build_app(cfg, tracking_uri, version, api_key)
     serve.start(http_options={"host": cfg.serving.host, "port": cfg.serving.port})
-    serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
-    url = endpoint_url(cfg)
-    wait_until_serving(url, cfg.serving.model_name, version, api_key)
+    from raylane.console import long_step
+
+    with long_step(f"starting replicas of {cfg.tracking.registered_model} v{version}"):
+        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        url = endpoint_url(cfg)
+        wait_until_serving(url, cfg.serving.model_name, version, api_key)
     log.info("serving %s v%d at %s", cfg.tracking.registered_model, version, url)
     return url, version
 

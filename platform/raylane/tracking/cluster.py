@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -19,13 +20,32 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip()
 
 
+# A `ray job submit` working directory arrives without `.git`: the submitting side passes the
+# commit in these (see the README's submit command).
+GIT_COMMIT_ENV = "RAYLANE_GIT_COMMIT"
+GIT_DIRTY_ENV = "RAYLANE_GIT_DIRTY"
+
+
 def code_version() -> dict[str, Any]:
-    """Git commit and dirty flag of the working directory (None outside a git checkout)."""
+    """Git commit, dirty flag and (dirty only) the diff of the working directory; outside a
+    checkout, the commit the submitter passed in $RAYLANE_GIT_COMMIT, else None."""
     commit = _git("rev-parse", "HEAD")
     if commit is None:
-        return {"git_commit": None, "git_dirty": None}
+        passed = os.environ.get(GIT_COMMIT_ENV) or None
+        dirty = os.environ.get(GIT_DIRTY_ENV)
+        return {
+            "git_commit": passed,
+            "git_dirty": None if dirty is None else dirty.strip() not in ("", "0", "false"),
+            "git_source": "submitter" if passed else None,
+            "git_diff": None,
+        }
     status = _git("status", "--porcelain", "--untracked-files=no")
-    return {"git_commit": commit, "git_dirty": bool(status)}
+    return {
+        "git_commit": commit,
+        "git_dirty": bool(status),
+        "git_source": "checkout",
+        "git_diff": _git("diff", "HEAD") if status else None,
+    }
 
 
 def package_versions() -> dict[str, str]:

@@ -20,6 +20,8 @@ CONFIG_ARTIFACT = "config/resolved.yaml"
 SNAPSHOT_ARTIFACT = "cluster/snapshot.json"
 LAYOUT_ARTIFACT = "parallel/stage_layout.txt"
 PLACEMENT_ARTIFACT = "parallel/placement.json"
+DIFF_ARTIFACT = "code/git_diff.patch"
+REQUIREMENTS_ARTIFACT = "environment/requirements.txt"
 
 
 def log_run_context(cfg: RaylaneConfig, snapshot: dict[str, Any], dataset_digest: str) -> None:
@@ -27,9 +29,12 @@ def log_run_context(cfg: RaylaneConfig, snapshot: dict[str, Any], dataset_digest
     params = {k: str(v)[:500] for k, v in flatten(cfg.model_dump(mode="json")).items()}
     mlflow.log_params(params)
     mlflow.log_text(config_to_yaml(cfg), CONFIG_ARTIFACT)
-    mlflow.log_dict(snapshot, SNAPSHOT_ARTIFACT)
-    mlflow.log_text("\n".join(describe_stages(cfg)) + "\n", LAYOUT_ARTIFACT)
     code = snapshot["code"]
+    diff = code.pop("git_diff", None)
+    mlflow.log_dict(snapshot, SNAPSHOT_ARTIFACT)
+    if diff:
+        mlflow.log_text(diff, DIFF_ARTIFACT)  # a dirty tree: what differs from the commit
+    mlflow.log_text("\n".join(describe_stages(cfg)) + "\n", LAYOUT_ARTIFACT)
     mlflow.set_tags(
         {
             "raylane.strategy": cfg.parallelism.strategy,
@@ -78,6 +83,15 @@ class EpochLogger:
     def log_placement(self, placement: list[dict]) -> None:
         """Which node (and process) each rank runs on: the layout as it really was."""
         self._client.log_dict(self._run_id, {"ranks": placement}, PLACEMENT_ARTIFACT)
+
+    def log_code_identity(self, placement: list[dict]) -> None:
+        """The raylane code the workers imported (one digest: `check_same_code` ran first)
+        and the packages of the workers' environment."""
+        from raylane.tracking.identity import requirements
+
+        self._client.set_tag(self._run_id, "raylane.code_digest", placement[0]["code_digest"])
+        self._client.set_tag(self._run_id, "raylane.code_path", placement[0]["code_path"])
+        self._client.log_text(self._run_id, requirements(), REQUIREMENTS_ARTIFACT)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)

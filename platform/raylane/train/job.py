@@ -26,6 +26,23 @@ class TrainingOutcome:
     promotion: str
 
 
+class CodeMismatchError(RuntimeError):
+    """Workers imported different raylane sources; the message names the nodes."""
+
+
+def _fit(trainer):
+    """`trainer.fit()`, with a code mismatch on the workers turned into one line."""
+    from raylane.train.loop import CODE_MISMATCH
+
+    try:
+        return trainer.fit()
+    except Exception as exc:
+        line = next((x for x in str(exc).splitlines() if CODE_MISMATCH in x), None)
+        if line is None:
+            raise
+        raise CodeMismatchError(line[line.index(CODE_MISMATCH) :]) from None
+
+
 def new_run_name(experiment: str) -> str:
     return f"{experiment}-{datetime.now():%Y%m%d-%H%M%S}-{uuid.uuid4().hex[:6]}"
 
@@ -80,11 +97,13 @@ def run_training(cfg: RaylaneConfig) -> TrainingOutcome:
     import mlflow
     from mlflow.tracking import MlflowClient
 
+    from raylane.console import long_step
     from raylane.data import dataset_digest
     from raylane.data.parquet import read_rows
     from raylane.data.ray_datasets import read_datasets
     from raylane.runtime import connect_ray
     from raylane.tracking.cluster import snapshot_cluster
+    from raylane.tracking.identity import code_digest, package_dir, weights_digest
     from raylane.tracking.registry import register_if_better
     from raylane.tracking.runs import log_run_context, log_trained_model
     from raylane.train.progress import EpochProgress
@@ -104,7 +123,11 @@ def run_training(cfg: RaylaneConfig) -> TrainingOutcome:
             cfg,
             read_datasets(cfg),
             run_name,
-            {"tracking_uri": tracking_uri, "run_id": run.info.run_id},
+            {
+                "tracking_uri": tracking_uri,
+                "run_id": run.info.run_id,
+                "driver_code": {"code_digest": code_digest(), "code_path": str(package_dir())},
+            },
         )
         log.info(
             "training: %s, %d workers, %d epochs",
@@ -113,18 +136,19 @@ def run_training(cfg: RaylaneConfig) -> TrainingOutcome:
             cfg.training.epochs,
         )
         with EpochProgress(tracking_uri, run.info.run_id, cfg.training.epochs):
-            result = trainer.fit()
+            result = _fit(trainer)
         if result.checkpoint is None:
             raise RuntimeError(f"run {run_name} ended without a checkpoint")
         metrics = {k: v for k, v in result.metrics.items() if isinstance(v, int | float)}
         mlflow.set_tag("raylane.checkpoint", result.checkpoint.path)
 
         log.info("logging and registering the model as %s", cfg.tracking.registered_model)
-        model_info = log_trained_model(
-            _final_model(cfg, result.checkpoint),
-            cfg,
-            read_rows(cfg.data.validation_path, cfg, limit=5)[0],
-        )
+        final = _final_model(cfg, result.checkpoint)
+        mlflow.set_tag("raylane.weights_digest", weights_digest(final.state_dict()))
+        with long_step("logging the model (torch.export) and registering it"):
+            model_info = log_trained_model(
+                final, cfg, read_rows(cfg.data.validation_path, cfg, limit=5)[0]
+            )
         score = float(metrics[cfg.tracking.champion_metric])
         decision = register_if_better(
             MlflowClient(),

@@ -121,17 +121,35 @@ def _evaluate(strategy, model, shard, cfg):
     return loss_sum / max(count, 1), correct / max(count, 1)
 
 
+CODE_MISMATCH = "workers run different raylane code"
+
+
+def check_same_code(placement: list[dict], driver: dict | None = None) -> None:
+    """Stop the run when workers imported different raylane sources than each other or than
+    the driver (a node built from an older image, a job whose workers import the cluster's
+    installed copy instead of the submitted one): its results would belong to no one version."""
+    seen = {(r["node"], r["code_digest"], r["code_path"]) for r in placement}
+    if driver is not None:
+        seen.add(("driver", driver["code_digest"], driver["code_path"]))
+    if len({digest for _, digest, _ in seen}) > 1:
+        found = "; ".join(f"{who}: {digest[:12]} at {path}" for who, digest, path in sorted(seen))
+        raise RuntimeError(f"{CODE_MISMATCH}: {found}")
+
+
 def _gather_placement(rank: int) -> list[dict]:
     """Every rank's Ray node id, system-metrics node label, host and pid (collective: every
     rank calls)."""
     import socket
 
+    from raylane.tracking.identity import code_digest, package_dir
     from raylane.tracking.system_metrics import node_label
 
     mine = {
         "rank": rank,
         "node_id": ray.get_runtime_context().get_node_id(),
         "node": node_label(),
+        "code_digest": code_digest(),
+        "code_path": str(package_dir()),
         "host": socket.gethostname(),
         "pid": os.getpid(),
     }
@@ -177,6 +195,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             )
 
     placement = _gather_placement(rank)
+    check_same_code(placement, loop_config.get("driver_code"))
     epoch_logger = monitor = None
     if loop_config.get("run_id"):
         from raylane.tracking.runs import EpochLogger
@@ -186,6 +205,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if rank == 0:
             epoch_logger = EpochLogger(uri, run_id)
             epoch_logger.log_placement(placement)
+            epoch_logger.log_code_identity(placement)
         monitor = start_node_monitor(
             uri, run_id, cfg.tracking.system_metrics_interval_s, context.get_local_rank()
         )
