@@ -43,6 +43,7 @@ COMMAND_LINE = block("raylane prepare")
 PIPELINES = block("raylane train --config configs/train/lm_pipeline.yaml")
 TUNE = block("raylane tune")
 MLFLOW_UI = block(".venv/bin/mlflow ui")
+REPRODUCE = block("raylane reproduce <run-id>")
 DEPLOY = block("raylane deploy --config")
 CALLS = block("curl -s http://127.0.0.1:8000/v2/models/digits/infer")
 TRITON = block("import numpy as np, tritonclient")
@@ -141,6 +142,35 @@ def test_mlflow_ui_block(readme):
     finally:
         server.interrupt()
     assert _port_closed(5000)
+
+
+def test_reproducibility_block(readme):
+    copy, env, _ = readme
+
+    def fill(command: str, done) -> str:
+        if "<run-id>" in command:
+            run_id = re.search(r"MLflow run ([0-9a-f]{32})", done[0].output).group(1)
+            command = command.replace("<run-id>", run_id)
+        if "<other-run-id>" in command:
+            again = re.search(r"\(run ([0-9a-f]{32}) reproduces", done[1].output).group(1)
+            command = command.replace("<other-run-id>", again)
+        return command
+
+    run = _ok(run_commands(REPRODUCE, copy, env, timeout_s=900, fill=fill), REPRODUCE.where)
+    reproduce, compare = run.commands[1].output, run.commands[2].output
+    original = re.search(r"MLflow run ([0-9a-f]{32})", run.commands[0].output).group(1)
+    again = re.search(r"\(run ([0-9a-f]{32}) reproduces", reproduce).group(1)
+    assert "identical" in reproduce and "≠" not in reproduce, reproduce
+    client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
+    tags = client.get_run(again).data.tags
+    assert tags["raylane.reproduces"] == original and tags["raylane.reproduced"] == "identical"
+    assert (
+        tags["raylane.weights_digest"]
+        == client.get_run(original).data.tags["raylane.weights_digest"]
+    )
+    # The two runs differ only in where they wrote: no metric, weight or code difference.
+    assert "weights" not in compare and "metrics" not in compare and "code" not in compare
+    assert "agree in" in compare, compare
 
 
 def test_deploy_calls_and_triton_blocks(readme):

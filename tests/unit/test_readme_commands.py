@@ -25,7 +25,13 @@ BLOCKS = read_blocks()
 SHELL = [b for b in BLOCKS if b.lang in ("bash", "sh")]
 CLI = typer.main.get_command(app)
 # Documented placeholders and the stand-ins a structural check uses for them.
-PLACEHOLDERS = {"<run>": "TorchTrainer_placeholder", "<old>": "1", "<new>": "2"}
+PLACEHOLDERS = {
+    "<run>": "digits-ddp-placeholder",
+    "<old>": "1",
+    "<new>": "2",
+    "<run-id>": "0" * 32,
+    "<other-run-id>": "1" * 32,
+}
 
 
 def _substitute(command: str) -> str:
@@ -44,7 +50,7 @@ def test_every_block_says_whether_it_runs():
 
 def test_placeholders_are_the_documented_ones():
     for block in SHELL:
-        found = set(re.findall(r"<[a-z]+>", block.text))
+        found = set(re.findall(r"<[a-z-]+>", block.text))
         assert found <= set(PLACEHOLDERS), f"{block.where}: undocumented placeholders {found}"
 
 

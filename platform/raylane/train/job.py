@@ -20,8 +20,8 @@ class TrainingOutcome:
     tracking_uri: str
     metrics: dict
     checkpoint_path: str
-    model_uri: str
-    model_version: int
+    model_uri: str | None  # None when not registered
+    model_version: int | None
     promoted: bool
     promotion: str
 
@@ -89,8 +89,13 @@ def _final_model(cfg: RaylaneConfig, checkpoint):
     return model.eval()
 
 
-def run_training(cfg: RaylaneConfig) -> TrainingOutcome:
+def run_training(
+    cfg: RaylaneConfig, *, register: bool = True, tags: dict[str, str] | None = None
+) -> TrainingOutcome:
     """Run one training job end to end and return where its results are.
+
+    `register=False` (a reproduction) keeps the weights digest but logs no model and leaves
+    the registry alone; `tags` are set on the new run.
 
     Everything that can fail cheaply (data, tracking store) is checked before Ray starts.
     """
@@ -118,6 +123,8 @@ def run_training(cfg: RaylaneConfig) -> TrainingOutcome:
     run_name = new_run_name(cfg.experiment)
     with mlflow.start_run(run_name=run_name) as run:
         log.info("MLflow run %s in %s", run.info.run_id, tracking_uri)
+        if tags:
+            mlflow.set_tags(tags)
         log_run_context(cfg, snapshot_cluster(cfg), digest)
         trainer = build_trainer(
             cfg,
@@ -142,33 +149,39 @@ def run_training(cfg: RaylaneConfig) -> TrainingOutcome:
         metrics = {k: v for k, v in result.metrics.items() if isinstance(v, int | float)}
         mlflow.set_tag("raylane.checkpoint", result.checkpoint.path)
 
-        log.info("logging and registering the model as %s", cfg.tracking.registered_model)
         final = _final_model(cfg, result.checkpoint)
         mlflow.set_tag("raylane.weights_digest", weights_digest(final.state_dict()))
-        with long_step("logging the model (torch.export) and registering it"):
-            model_info = log_trained_model(
-                final, cfg, read_rows(cfg.data.validation_path, cfg, limit=5)[0]
+        model_uri, version, promoted, promotion = None, None, False, "not registered"
+        if register:
+            log.info("logging and registering the model as %s", cfg.tracking.registered_model)
+            with long_step("logging the model (torch.export) and registering it"):
+                model_info = log_trained_model(
+                    final, cfg, read_rows(cfg.data.validation_path, cfg, limit=5)[0]
+                )
+            decision = register_if_better(
+                MlflowClient(),
+                cfg.tracking.registered_model,
+                model_info.registered_model_version,
+                float(metrics[cfg.tracking.champion_metric]),
+                cfg.tracking.champion_alias,
+                cfg.tracking.champion_metric,
             )
-        score = float(metrics[cfg.tracking.champion_metric])
-        decision = register_if_better(
-            MlflowClient(),
-            cfg.tracking.registered_model,
-            model_info.registered_model_version,
-            score,
-            cfg.tracking.champion_alias,
-            cfg.tracking.champion_metric,
-        )
-        promotion = decision.describe(cfg.tracking.registered_model, cfg.tracking.champion_alias)
-        mlflow.set_tag("raylane.promotion", promotion)
-        log.info(promotion)
+            promotion = decision.describe(
+                cfg.tracking.registered_model, cfg.tracking.champion_alias
+            )
+            mlflow.set_tag("raylane.promotion", promotion)
+            log.info(promotion)
+            model_uri, version, promoted = (
+                model_info.model_uri, decision.version, decision.promoted
+            )  # fmt: skip
     return TrainingOutcome(
         run_id=run.info.run_id,
         experiment_id=experiment.experiment_id,
         tracking_uri=tracking_uri,
         metrics=metrics,
         checkpoint_path=result.checkpoint.path,
-        model_uri=model_info.model_uri,
-        model_version=decision.version,
-        promoted=decision.promoted,
+        model_uri=model_uri,
+        model_version=version,
+        promoted=promoted,
         promotion=promotion,
     )

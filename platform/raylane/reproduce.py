@@ -1,0 +1,139 @@
+"""`raylane reproduce RUN_ID`: rebuild a run from MLflow alone, check the present matches what
+it recorded, run it again and say whether it came out identical.
+
+What is compared before running: the raylane code digest, the dataset digest, the software
+versions and the cluster shape. After: every epoch's train_loss, val_loss and val_accuracy and
+the digest of the final weights. What it cannot promise: kernels that are not deterministic
+(many GPU ones), other hardware or BLAS builds, and data outside raylane's own digests.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import yaml
+from mlflow.tracking import MlflowClient
+from rich.table import Table
+
+from raylane.config import ConfigError, RaylaneConfig
+from raylane.tracking.compare import (
+    Difference,
+    differences,
+    first_divergence,
+    metric_histories,
+    run_record,
+)
+
+log = logging.getLogger("raylane")
+
+# What must match before a re-run is worth its compute. The git commit is shown but does not
+# block: a commit that changed no raylane source leaves the code digest equal.
+PRECONDITIONS = ("code", "data", "versions", "cluster")
+INFORMATIONAL = {("code", "git commit"), ("code", "git dirty")}
+
+
+class DriftError(RuntimeError):
+    """The present differs from the recorded run and --allow-drift was not given."""
+
+
+@dataclass(frozen=True)
+class Reproduction:
+    original_run_id: str
+    run_id: str
+    verdict: str  # "identical" or "differs"
+    detail: str
+
+
+def recorded_config(client: MlflowClient, run_id: str) -> RaylaneConfig:
+    """The run's resolved config, as it logged it."""
+    from pathlib import Path
+
+    from raylane.tracking.runs import CONFIG_ARTIFACT
+
+    try:
+        text = Path(client.download_artifacts(run_id, CONFIG_ARTIFACT)).read_text()
+    except Exception as exc:
+        raise ConfigError(
+            f"run {run_id} has no {CONFIG_ARTIFACT}: not a raylane training run"
+        ) from exc
+    return RaylaneConfig.model_validate(yaml.safe_load(text))
+
+
+def present_record(cfg: RaylaneConfig) -> dict[str, dict[str, str]]:
+    """The same sections as a run record, measured now (Ray must be connected)."""
+    from raylane.data import dataset_digest, ensure_dataset
+    from raylane.tracking.cluster import code_version, describe_nodes, package_versions
+    from raylane.tracking.compare import cluster_shape
+    from raylane.tracking.identity import code_digest
+
+    ensure_dataset(cfg)
+    versions = package_versions()
+    code = code_version()
+    return {
+        "code": {
+            "raylane.code_digest": code_digest(),
+            "git commit": code["git_commit"] or "unknown",
+            "git dirty": str(code["git_dirty"]),
+        },
+        "data": {"dataset digest": dataset_digest(cfg.data.train_path, cfg.data.validation_path)},
+        "versions": {k: str(versions[k]) for k in ("python", "ray", "torch", "mlflow")},
+        "cluster": cluster_shape({"nodes": describe_nodes()}),
+    }
+
+
+def drift_table(recorded: dict, present: dict, run_id: str) -> tuple[Table, list[Difference]]:
+    """Each precondition key: recorded, present, and whether they match."""
+    drift = differences(recorded, present, PRECONDITIONS)
+    differing = {(d.section, d.key) for d in drift}
+    table = Table(title=f"run {run_id} vs now")
+    for name in ("", "what", "recorded", "now"):
+        table.add_column(name)
+    for section in PRECONDITIONS:
+        for key in sorted(set(recorded.get(section, {})) | set(present.get(section, {}))):
+            same = (section, key) not in differing
+            table.add_row(
+                "[green]=[/]" if same else "[red]≠[/]",
+                f"{section}: {key}",
+                _short(recorded.get(section, {}).get(key, "-")),
+                _short(present.get(section, {}).get(key, "-")),
+            )
+    return table, drift
+
+
+def _short(value: str) -> str:
+    return value[:16] if len(value) == 64 and all(c in "0123456789abcdef" for c in value) else value
+
+
+def compare_runs(client: MlflowClient, original: str, again: str) -> tuple[str, str]:
+    """("identical", "") or ("differs", first epoch/metric that differs, or the weights)."""
+    divergence = first_divergence(
+        metric_histories(client, original), metric_histories(client, again)
+    )
+    if divergence:
+        return "differs", divergence
+    weights = [client.get_run(r).data.tags.get("raylane.weights_digest") for r in (original, again)]
+    if weights[0] is None:
+        return "identical", "(the original run recorded no weights digest)"
+    if weights[0] != weights[1]:
+        return "differs", f"final weights: digest {weights[0][:16]} vs {weights[1][:16]}"
+    return "identical", ""
+
+
+def reproduce(client: MlflowClient, run_id: str, *, allow_drift: bool, show) -> Reproduction:
+    """Check, re-run and compare. `show` prints a rich renderable. Expects Ray connected."""
+    from raylane.train.job import run_training
+
+    cfg = recorded_config(client, run_id)
+    table, drift = drift_table(run_record(client, run_id), present_record(cfg), run_id)
+    show(table)
+    blocking = [d for d in drift if (d.section, d.key) not in INFORMATIONAL]
+    if blocking and not allow_drift:
+        names = ", ".join(f"{d.section} {d.key}" for d in blocking)
+        raise DriftError(
+            f"the present differs from run {run_id} in {names}; --allow-drift runs it anyway"
+        )
+    outcome = run_training(cfg, register=False, tags={"raylane.reproduces": run_id})
+    verdict, detail = compare_runs(client, run_id, outcome.run_id)
+    client.set_tag(outcome.run_id, "raylane.reproduced", verdict)
+    return Reproduction(run_id, outcome.run_id, verdict, detail)
