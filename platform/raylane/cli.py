@@ -121,11 +121,19 @@ def prepare(config: ConfigOption = DEFAULT_CONFIG, overrides: SetOption = None) 
 def train(
     config: ConfigOption = DEFAULT_CONFIG,
     overrides: SetOption = None,
+    resume: Annotated[
+        str | None,
+        typer.Option(
+            metavar="RUN_ID",
+            help="Continue this MLflow run from its latest checkpoint (say after the driver "
+            "was killed), with the config it recorded; --config and --set are not used.",
+        ),
+    ] = None,
     verbose: VerboseOption = False,
 ) -> None:
     """Train with the config's parallelism strategy on Ray Train; track and register in MLflow."""
     _setup_logging(verbose)
-    cfg = _load(config, overrides)
+    cfg = _recorded(resume) if resume else _load(config, overrides)
     from raylane.runtime import connect_ray, disconnect_ray
     from raylane.train.job import check_run_inputs, run_training
 
@@ -133,12 +141,28 @@ def train(
     try:
         check_run_inputs(cfg)  # resume checkpoint and tracking store, before Ray starts
         started = connect_ray()
-        outcome = run_training(cfg)
+        outcome = run_training(cfg, resume_run_id=resume)
     except _user_errors() as exc:
         raise _fail(str(exc)) from None
     finally:
         disconnect_ray(started)
     _print_outcome(cfg, outcome)
+
+
+def _recorded(run_id: str) -> RaylaneConfig:
+    """The config a run recorded (for --resume), read from its MLflow record."""
+    from mlflow.tracking import MlflowClient
+
+    from raylane.reproduce import recorded_config
+    from raylane.tracking import resolve_tracking_uri
+
+    client = MlflowClient(tracking_uri=resolve_tracking_uri(None))
+    try:
+        return recorded_config(client, run_id)
+    except ConfigError as exc:
+        raise _fail(str(exc)) from None
+    except Exception as exc:  # an unknown run id, an unreachable store
+        raise _fail(f"run {run_id}: {str(exc).splitlines()[0]}") from None
 
 
 def _print_outcome(cfg: RaylaneConfig, outcome) -> None:

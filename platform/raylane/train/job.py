@@ -90,12 +90,18 @@ def _final_model(cfg: RaylaneConfig, checkpoint):
 
 
 def run_training(
-    cfg: RaylaneConfig, *, register: bool = True, tags: dict[str, str] | None = None
+    cfg: RaylaneConfig,
+    *,
+    register: bool = True,
+    tags: dict[str, str] | None = None,
+    resume_run_id: str | None = None,
 ) -> TrainingOutcome:
     """Run one training job end to end and return where its results are.
 
     `register=False` (a reproduction) keeps the weights digest but logs no model and leaves
-    the registry alone; `tags` are set on the new run.
+    the registry alone; `tags` are set on the new run. `resume_run_id` continues that MLflow
+    run (say after its driver was killed): Ray Train finds the run's state under the same name
+    and storage path and hands the workers its latest checkpoint.
 
     Everything that can fail cheaply (data, tracking store) is checked before Ray starts.
     """
@@ -120,12 +126,20 @@ def run_training(
     connect_ray()
     mlflow.set_tracking_uri(tracking_uri)
     experiment = mlflow.set_experiment(cfg.experiment)
-    run_name = new_run_name(cfg.experiment)
-    with mlflow.start_run(run_name=run_name) as run:
+    if resume_run_id:
+        run_name = MlflowClient().get_run(resume_run_id).info.run_name
+        start = {"run_id": resume_run_id}
+    else:
+        run_name = new_run_name(cfg.experiment)
+        start = {"run_name": run_name}
+    with mlflow.start_run(**start) as run:
         log.info("MLflow run %s in %s", run.info.run_id, tracking_uri)
         if tags:
             mlflow.set_tags(tags)
-        log_run_context(cfg, snapshot_cluster(cfg), digest)
+        if resume_run_id:
+            mlflow.set_tag("raylane.resumed", "true")
+        else:
+            log_run_context(cfg, snapshot_cluster(cfg), digest)
         trainer = build_trainer(
             cfg,
             read_datasets(cfg),

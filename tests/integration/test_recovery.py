@@ -1,0 +1,133 @@
+"""Recovery is deterministic: a run whose worker is SIGKILLed mid-run (max_failures=1), and a
+run whose driver is killed and then continued with `raylane train --resume RUN_ID`, both end
+with exactly the weights and per-epoch metrics of the session's uninterrupted reference run.
+
+The runs use the reference run's config; only names that do not touch the computation (the
+experiment, the registered model, the failure budget) differ.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+
+from .conftest import REFERENCE
+
+pytestmark = pytest.mark.integration
+
+
+def _cli(ray_cluster, *args: str) -> list[str]:
+    return [sys.executable, "-m", "raylane.cli", "train", *args]
+
+
+def _env(ray_cluster) -> dict[str, str]:
+    return {**ray_cluster.client_env, "RAY_ADDRESS": ray_cluster.address, "COLUMNS": "200"}
+
+
+def _set(overrides: list[str]) -> list[str]:
+    return [arg for item in overrides for arg in ("--set", item)]
+
+
+def _same_as_reference(trained, workspace, experiment: str) -> list[str]:
+    cfg, _ = trained
+    return workspace.overrides(
+        f"training.epochs={cfg.training.epochs}",
+        f"tracking.system_metrics_interval_s={cfg.tracking.system_metrics_interval_s}",
+        f"experiment={experiment}",
+        f"tracking.registered_model=raylane-{experiment}",
+        "training.max_failures=1",
+    )
+
+
+def _wait_for_run(client: MlflowClient, experiment: str, epochs_done: int, timeout_s=300):
+    """The experiment's run once it has logged `epochs_done` epochs (and its placement)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = client.get_experiment_by_name(experiment)
+        runs = client.search_runs([found.experiment_id]) if found else []
+        if runs:
+            run_id = runs[0].info.run_id
+            history = client.get_metric_history(run_id, "val_loss")
+            if len(history) >= epochs_done:
+                return run_id
+        time.sleep(0.1)
+    raise TimeoutError(f"{experiment}: {epochs_done} epochs not logged in {timeout_s} s")
+
+
+def _placement(client: MlflowClient, run_id: str) -> list[dict]:
+    path = client.download_artifacts(run_id, "parallel/placement.json")
+    return json.loads(Path(path).read_text())["ranks"]
+
+
+def _last_per_epoch(client: MlflowClient, run_id: str, key: str) -> list[float]:
+    by_step = {}
+    for metric in sorted(client.get_metric_history(run_id, key), key=lambda m: m.timestamp):
+        by_step[metric.step] = metric.value
+    return [by_step[step] for step in sorted(by_step)]
+
+
+def _assert_same_as_reference(client: MlflowClient, run_id: str, trained) -> None:
+    _, reference = trained
+    ran, ref = client.get_run(run_id), client.get_run(reference.run_id)
+    assert ran.info.status == "FINISHED"
+    assert ran.data.tags["raylane.weights_digest"] == ref.data.tags["raylane.weights_digest"]
+    for key in ("train_loss", "val_loss", "val_accuracy"):
+        assert _last_per_epoch(client, run_id, key) == _last_per_epoch(
+            client, reference.run_id, key
+        ), key
+
+
+def test_a_killed_worker_is_replaced_and_the_run_ends_identical(ray_cluster, workspace, trained):
+    client = MlflowClient(tracking_uri=workspace.tracking_uri)
+    experiment = "recovery-worker"
+    process = subprocess.Popen(
+        _cli(ray_cluster, "--config", str(REFERENCE),
+             *_set(_same_as_reference(trained, workspace, experiment))),
+        env=_env(ray_cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        run_id = _wait_for_run(client, experiment, epochs_done=1)
+        victim = next(rank for rank in _placement(client, run_id) if rank["rank"] == 1)
+        os.kill(victim["pid"], signal.SIGKILL)
+        output, _ = process.communicate(timeout=600)
+    finally:
+        process.kill()
+    assert process.returncode == 0, output[-4000:]
+    # The worker group was replaced: rank 1 runs in another process now.
+    replaced = next(rank for rank in _placement(client, run_id) if rank["rank"] == 1)
+    assert replaced["pid"] != victim["pid"]
+    _assert_same_as_reference(client, run_id, trained)
+
+
+def test_a_killed_driver_resumes_the_same_run_and_ends_identical(ray_cluster, workspace, trained):
+    client = MlflowClient(tracking_uri=workspace.tracking_uri)
+    experiment = "recovery-driver"
+    env = {**_env(ray_cluster), "MLFLOW_TRACKING_URI": workspace.tracking_uri}
+    process = subprocess.Popen(
+        _cli(ray_cluster, "--config", str(REFERENCE),
+             *_set(_same_as_reference(trained, workspace, experiment))),
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        run_id = _wait_for_run(client, experiment, epochs_done=2)
+    finally:
+        process.send_signal(signal.SIGKILL)  # a preempted head: no clean-up at all
+        process.wait(timeout=60)
+    assert len(client.get_metric_history(run_id, "val_loss")) < trained[0].training.epochs
+
+    resumed = subprocess.run(
+        _cli(ray_cluster, "--resume", run_id),
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
+    assert f"run {run_id}" in resumed.stdout + resumed.stderr
+    assert client.get_run(run_id).data.tags["raylane.resumed"] == "true"
+    _assert_same_as_reference(client, run_id, trained)
