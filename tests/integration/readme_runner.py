@@ -87,7 +87,9 @@ def script(block: Block, substitutions: dict[str, str] | None = None) -> str:
     for command in block.commands():
         for placeholder, value in (substitutions or {}).items():
             command = command.replace(placeholder, value)
-        lines.append(f"printf '%s\\n' {shlex.quote(MARK + command)}")
+        # On a line of its own even when the previous output did not end with one (curl).
+        marker = MARK + " ".join(command.split())  # one line, even for a multi-line command
+        lines.append(f"printf '\\n%s\\n' {shlex.quote(marker)}")
         lines.append(command)
     return "\n".join(lines) + "\n"
 

@@ -138,7 +138,7 @@ def test_mlflow_ui_block(readme):
         server.wait_until_ready("http://127.0.0.1:5000/health", timeout_s=120)
         found = _get_json("http://127.0.0.1:5000/api/2.0/mlflow/experiments/search?max_results=50")
         names = {e["name"] for e in found["experiments"]}
-        assert {"digits", "lm-pipeline", "lm-parallelism"} <= names, names
+        assert {"digits-ddp", "lm-pipeline", "lm-hybrid", "lm-parallelism"} <= names, names
     finally:
         server.interrupt()
     assert _port_closed(5000)

@@ -221,6 +221,12 @@ class TrackingConfig(StrictModel):
         description="Validation metric (higher is better) that decides whether a new version "
         "takes the champion alias.",
     )
+    outage_window_s: float = Field(
+        300.0,
+        gt=0,
+        description="How long training goes on while the tracking server is unreachable; "
+        "metrics wait and are sent when it is back. Past it the run stops, resumable.",
+    )
     system_metrics_interval_s: float = Field(
         5.0,
         ge=0,

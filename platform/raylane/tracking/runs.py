@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -73,12 +75,32 @@ def _log_dataset_inputs(cfg: RaylaneConfig, digest: str) -> None:
         mlflow.log_input(dataset, context=context, tags={"raylane.dataset_digest": digest})
 
 
-class EpochLogger:
-    """Logs per-epoch metrics into an existing run from a Ray Train worker (rank 0)."""
+class TrackingOutageError(RuntimeError):
+    """The tracking server stayed away longer than the outage window."""
 
-    def __init__(self, tracking_uri: str, run_id: str):
+
+OUTAGE = "tracking server unreachable"
+
+
+class EpochLogger:
+    """Logs per-epoch metrics into an existing run from a Ray Train worker (rank 0).
+
+    A tracking server that goes away does not stop training: metrics wait in memory and go out
+    with the next epoch's (or at `close`), as long as the server is back within
+    `outage_window_s`; past it the run stops with one line and stays resumable from its
+    checkpoints.
+    """
+
+    def __init__(self, tracking_uri: str, run_id: str, outage_window_s: float = 300.0):
+        # Fail fast instead of MLflow's minutes of HTTP retries: the next epoch retries anyway.
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         self._client = MlflowClient(tracking_uri=tracking_uri)
+        self._uri = tracking_uri
         self._run_id = run_id
+        self._window_s = outage_window_s
+        self._pending: list[Metric] = []
+        self._down_since: float | None = None
 
     def log_placement(self, placement: list[dict]) -> None:
         """Which node (and process) each rank runs on: the layout as it really was."""
@@ -95,14 +117,54 @@ class EpochLogger:
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)
-        self._client.log_batch(
-            self._run_id,
-            metrics=[
-                Metric(key, float(value), now, step)
-                for key, value in metrics.items()
-                if key != "epoch"
-            ],
-        )
+        self._pending += [
+            Metric(key, float(value), now, step) for key, value in metrics.items() if key != "epoch"
+        ]
+        if not self._flush():
+            self._check_window()
+
+    def close(self) -> None:
+        """Send what is still pending, waiting for the server up to the outage window."""
+        while not self._flush():
+            self._check_window()
+            time.sleep(1.0)
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def _flush(self) -> bool:
+        try:
+            for start in range(0, len(self._pending), 1000):  # MLflow's batch limit
+                self._client.log_batch(self._run_id, metrics=self._pending[start : start + 1000])
+        except Exception as exc:  # any failure to reach the store is an outage to wait out
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                reason = str(exc).splitlines()[0][:200]
+                print(
+                    f"raylane: {OUTAGE} ({reason}); metrics are kept and sent when it is back",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return False
+        if self._down_since is not None:
+            away = time.monotonic() - self._down_since
+            print(f"raylane: tracking server back after {away:.0f} s", file=sys.stderr, flush=True)
+        self._pending.clear()
+        self._down_since = None
+        return True
+
+    def _check_window(self) -> None:
+        if self._down_since is None:
+            return
+        away = time.monotonic() - self._down_since
+        if away > self._window_s:
+            steps = sorted({m.step for m in self._pending})
+            raise TrackingOutageError(
+                f"{OUTAGE} for {away:.0f} s (tracking.outage_window_s {self._window_s:g}) at "
+                f"{self._uri}: epochs {steps[0] + 1}-{steps[-1] + 1} not logged; checkpoints are "
+                f"kept: `raylane train --resume {self._run_id}` once it is back"
+            )
 
 
 def log_trained_model(model: nn.Module, cfg: RaylaneConfig, example: np.ndarray):

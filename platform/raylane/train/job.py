@@ -31,16 +31,20 @@ class CodeMismatchError(RuntimeError):
 
 
 def _fit(trainer):
-    """`trainer.fit()`, with a code mismatch on the workers turned into one line."""
+    """`trainer.fit()`, with the workers' own one-line failures (mixed code, a tracking outage
+    past its window) raised as such instead of Ray's traceback."""
+    from raylane.tracking import TrackingError
+    from raylane.tracking.runs import OUTAGE
     from raylane.train.loop import CODE_MISMATCH
 
     try:
         return trainer.fit()
     except Exception as exc:
-        line = next((x for x in str(exc).splitlines() if CODE_MISMATCH in x), None)
-        if line is None:
-            raise
-        raise CodeMismatchError(line[line.index(CODE_MISMATCH) :]) from None
+        for marker, error in ((CODE_MISMATCH, CodeMismatchError), (OUTAGE, TrackingError)):
+            line = next((x for x in str(exc).splitlines() if marker in x), None)
+            if line is not None:
+                raise error(line[line.index(marker) :]) from None
+        raise
 
 
 def new_run_name(experiment: str) -> str:

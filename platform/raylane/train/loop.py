@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import random
 import resource
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -137,8 +138,8 @@ def check_same_code(placement: list[dict], driver: dict | None = None) -> None:
 
 
 def _gather_placement(rank: int) -> list[dict]:
-    """Every rank's Ray node id, system-metrics node label, host and pid (collective: every
-    rank calls)."""
+    """Every rank's Ray node id, system-metrics node label, host, pid, thread count,
+    determinism settings and code identity (collective: every rank calls)."""
     import socket
 
     from raylane.tracking.identity import code_digest, package_dir
@@ -148,6 +149,9 @@ def _gather_placement(rank: int) -> list[dict]:
         "rank": rank,
         "node_id": ray.get_runtime_context().get_node_id(),
         "node": node_label(),
+        "torch_threads": torch.get_num_threads(),
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "cudnn_deterministic": torch.backends.cudnn.deterministic,
         "code_digest": code_digest(),
         "code_path": str(package_dir()),
         "host": socket.gethostname(),
@@ -203,7 +207,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
 
         uri, run_id = loop_config["tracking_uri"], loop_config["run_id"]
         if rank == 0:
-            epoch_logger = EpochLogger(uri, run_id)
+            epoch_logger = EpochLogger(uri, run_id, cfg.tracking.outage_window_s)
             epoch_logger.log_placement(placement)
             epoch_logger.log_code_identity(placement)
         monitor = start_node_monitor(
@@ -211,13 +215,18 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         )
     try:
         _train_epochs(strategy, model, optimizer, cfg, start_epoch, rank, epoch_logger)
+        if epoch_logger is not None:
+            epoch_logger.close()  # metrics held back by a tracking outage
     finally:
         if monitor is not None:
             monitor.finish()
         if loop_config.get("run_id"):
             from raylane.tracking.worker_logs import log_worker_logs
 
-            log_worker_logs(loop_config["tracking_uri"], loop_config["run_id"], rank)
+            try:
+                log_worker_logs(loop_config["tracking_uri"], loop_config["run_id"], rank)
+            except Exception as exc:  # noqa: BLE001 - never mask how the loop ended
+                print(f"raylane: worker logs not kept: {exc}", file=sys.stderr)
 
 
 def _train_epochs(strategy, model, optimizer, cfg, start_epoch, rank, epoch_logger) -> None:

@@ -73,7 +73,10 @@ class EpochProgress:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
-        self.poll()  # epochs that finished since the last look
+        try:
+            self.poll()  # epochs that finished since the last look
+        except Exception as exc:  # noqa: BLE001 - a tracking outage must not fail the run here
+            log.debug("progress: %s", exc)
 
     def _watch(self) -> None:
         while not self._stop.wait(self._interval_s):
