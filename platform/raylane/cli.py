@@ -80,6 +80,21 @@ def _user_errors() -> tuple[type[Exception], ...]:
     )  # fmt: skip
 
 
+@app.command("serve-env")
+def serve_env(
+    ingress: Annotated[
+        str, typer.Option(help="'haproxy' (raylane's default) or 'proxy' (Serve's Python proxy).")
+    ] = "haproxy",
+) -> None:
+    """Print the `export` line that selects Serve's ingress for a Ray started after it:
+    eval "$(raylane serve-env)" before `ray start` or `serve run`."""
+    from raylane.serving.ingress import export_lines
+
+    if ingress not in ("haproxy", "proxy"):
+        raise _fail(f"--ingress must be 'haproxy' or 'proxy', not {ingress!r}")
+    print(export_lines(ingress))
+
+
 @app.command("runtime-env")
 def runtime_env(
     tracking_uri: Annotated[

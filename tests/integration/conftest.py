@@ -177,3 +177,24 @@ def trained(ray_cluster, workspace):
 
 def ray_cli_path() -> str:
     return shutil.which("ray", path=str(BIN)) or "ray"
+
+
+def lm_overrides(workspace: Workspace, *extra: str) -> list[str]:
+    """The byte-level GPT on a small slice of the standard library, inside the workspace."""
+    return [
+        *workspace.overrides(*extra),
+        f"data.train_path={workspace.root}/lm/train.parquet",
+        f"data.validation_path={workspace.root}/lm/validation.parquet",
+        "data.max_bytes=131072",
+    ]
+
+
+@pytest.fixture(scope="session")
+def pipeline_run(ray_cluster, workspace):
+    """The reference pipeline job (pp=2, GPipe, 2 epochs), run once for the session."""
+    from raylane.config import load_config
+    from raylane.train.job import run_training
+
+    config = ROOT / "configs" / "train" / "lm_pipeline.yaml"
+    cfg = load_config(config, lm_overrides(workspace, "training.epochs=2"))
+    return cfg, run_training(cfg)

@@ -1,5 +1,6 @@
-"""Pipeline (pp=2) and hybrid (dp=2 x pp=2) jobs through Ray Train: tracked with their stage
-layout, checkpointed per stage and resumable, registered as one model, and served."""
+"""A pipeline (pp=2) job through Ray Train: tracked with its stage layout, checkpointed per
+stage, registered as one model, and served. (The README's pipeline, hybrid dp=2 x pp=2 and
+resume commands run as written in test_readme_run.py.)"""
 
 from __future__ import annotations
 
@@ -15,33 +16,11 @@ from mlflow.tracking import MlflowClient
 
 from raylane.config import load_config
 from raylane.data.parquet import read_rows
-from raylane.train.job import run_training
 
-from .conftest import ROOT, free_port
+from .conftest import ROOT, free_port, lm_overrides
 from .triton import triton_infer
 
 CONFIGS = ROOT / "configs" / "train"
-
-
-def _lm_overrides(workspace, *extra: str) -> list[str]:
-    return [
-        *workspace.overrides(*extra),
-        f"data.train_path={workspace.root}/lm/train.parquet",
-        f"data.validation_path={workspace.root}/lm/validation.parquet",
-        "data.max_bytes=131072",
-    ]
-
-
-@pytest.fixture(scope="module")
-def pipeline_run(ray_cluster, workspace):
-    cfg = load_config(CONFIGS / "lm_pipeline.yaml", _lm_overrides(workspace, "training.epochs=2"))
-    return cfg, run_training(cfg)
-
-
-@pytest.fixture(scope="module")
-def hybrid_run(ray_cluster, workspace, pipeline_run):
-    cfg = load_config(CONFIGS / "lm_hybrid.yaml", _lm_overrides(workspace, "training.epochs=1"))
-    return cfg, run_training(cfg)
 
 
 @pytest.fixture(scope="module")
@@ -71,44 +50,22 @@ def test_pipeline_job_learns_and_records_its_layout_and_bubble(pipeline_run, cli
     assert len(manifest["sha256"]) == 64
 
 
-def test_each_stage_saves_its_part_and_a_run_resumes_from_them(
-    pipeline_run, workspace, ray_cluster
-):
-    cfg, outcome = pipeline_run
+def test_each_stage_saves_its_part_of_the_checkpoint(pipeline_run):
+    # Resuming from these parts runs as the README's own pipeline commands
+    # (test_readme_run.py::test_pipeline_block).
+    _, outcome = pipeline_run
     last = Path(outcome.checkpoint_path)
     assert {"model-part000.pt", "model-part001.pt", "optimizer-part000.pt"} <= {
         p.name for p in last.iterdir()
     }
-    resumed_cfg = load_config(
-        CONFIGS / "lm_pipeline.yaml",
-        _lm_overrides(workspace, "training.epochs=3", f"training.resume_from={last}"),
-    )
-    resumed = run_training(resumed_cfg)
-    client = MlflowClient(tracking_uri=workspace.tracking_uri)
-    steps = [m.step for m in client.get_metric_history(resumed.run_id, "train_loss")]
-    assert steps == [2]  # epochs 0-1 came from the checkpoint
-    assert resumed.metrics["train_loss"] < outcome.metrics["train_loss"]
-
-
-def test_hybrid_job_runs_dp2_pp2(hybrid_run, client):
-    cfg, outcome = hybrid_run
-    run = client.get_run(outcome.run_id)
-    assert run.info.status == "FINISHED"
-    snapshot = json.loads(
-        Path(client.download_artifacts(outcome.run_id, "cluster/snapshot.json")).read_text()
-    )
-    assert (snapshot["run"]["dp"], snapshot["run"]["pp"], snapshot["run"]["workers"]) == (2, 2, 4)
-    assert outcome.metrics["val_loss"] < np.log(256)
-    layout = Path(client.download_artifacts(outcome.run_id, "parallel/stage_layout.txt"))
-    assert "(x2 replicas)" in layout.read_text()
 
 
 @pytest.fixture(scope="module")
-def lm_endpoint(pipeline_run, hybrid_run, workspace):
+def lm_endpoint(pipeline_run, workspace):
     from raylane.serving.app import deploy, shutdown_serve
 
     cfg = load_config(
-        CONFIGS / "lm_pipeline.yaml", _lm_overrides(workspace, f"serving.port={free_port()}")
+        CONFIGS / "lm_pipeline.yaml", lm_overrides(workspace, f"serving.port={free_port()}")
     )
     url, _ = deploy(cfg)
     try:

@@ -19,12 +19,14 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from .conftest import REFERENCE
+from .conftest import REFERENCE, ROOT, lm_overrides
 
 pytestmark = pytest.mark.integration
 
+PIPELINE = ROOT / "configs" / "train" / "lm_pipeline.yaml"
 
-def _cli(ray_cluster, *args: str) -> list[str]:
+
+def _cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "raylane.cli", "train", *args]
 
 
@@ -89,7 +91,7 @@ def test_a_killed_worker_is_replaced_and_the_run_ends_identical(ray_cluster, wor
     client = MlflowClient(tracking_uri=workspace.tracking_uri)
     experiment = "recovery-worker"
     process = subprocess.Popen(
-        _cli(ray_cluster, "--config", str(REFERENCE),
+        _cli("--config", str(REFERENCE),
              *_set(_same_as_reference(trained, workspace, experiment))),
         env=_env(ray_cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
@@ -112,7 +114,7 @@ def test_a_killed_driver_resumes_the_same_run_and_ends_identical(ray_cluster, wo
     experiment = "recovery-driver"
     env = {**_env(ray_cluster), "MLFLOW_TRACKING_URI": workspace.tracking_uri}
     process = subprocess.Popen(
-        _cli(ray_cluster, "--config", str(REFERENCE),
+        _cli("--config", str(REFERENCE),
              *_set(_same_as_reference(trained, workspace, experiment))),
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
@@ -124,10 +126,39 @@ def test_a_killed_driver_resumes_the_same_run_and_ends_identical(ray_cluster, wo
     assert len(client.get_metric_history(run_id, "val_loss")) < trained[0].training.epochs
 
     resumed = subprocess.run(
-        _cli(ray_cluster, "--resume", run_id),
+        _cli("--resume", run_id),
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-4000:]
     assert f"run {run_id}" in resumed.stdout + resumed.stderr
     assert client.get_run(run_id).data.tags["raylane.resumed"] == "true"
     _assert_same_as_reference(client, run_id, trained)
+
+
+def test_a_killed_pipeline_stage_is_replaced_and_the_run_ends_identical(
+    ray_cluster, workspace, pipeline_run
+):
+    """The same for a pp=2 pipeline: the restarted group reloads each stage's checkpoint part."""
+    cfg, reference = pipeline_run
+    client = MlflowClient(tracking_uri=workspace.tracking_uri)
+    experiment = "recovery-pipeline"
+    overrides = [
+        *lm_overrides(workspace, f"training.epochs={cfg.training.epochs}"),
+        f"experiment={experiment}",
+        f"tracking.registered_model=raylane-{experiment}",
+        "training.max_failures=1",
+    ]
+    process = subprocess.Popen(
+        _cli("--config", str(PIPELINE), *_set(overrides)),
+        env=_env(ray_cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        run_id = _wait_for_run(client, experiment, epochs_done=1)
+        victim = next(rank for rank in _placement(client, run_id) if rank["rank"] == 1)
+        os.kill(victim["pid"], signal.SIGKILL)  # the last stage
+        output, _ = process.communicate(timeout=600)
+    finally:
+        process.kill()
+    assert process.returncode == 0, output[-4000:]
+    assert next(r for r in _placement(client, run_id) if r["rank"] == 1)["pid"] != victim["pid"]
+    _assert_same_as_reference(client, run_id, (cfg, reference))

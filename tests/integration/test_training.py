@@ -110,18 +110,16 @@ def test_champion_alias_resolves_to_a_model_that_predicts(trained, client, works
     assert (predicted == labels).mean() >= 0.9
 
 
-def test_worse_model_does_not_take_alias_and_seeded_runs_repeat(trained, client, workspace):
+def test_worse_model_does_not_take_alias(trained, client, workspace):
+    # That seeded runs repeat exactly is shown by test_recovery.py (interrupted runs end with
+    # the reference run's weights digest) and by the README's `raylane reproduce`.
     cfg, champion_outcome = trained
     weak = load_config(REFERENCE, workspace.overrides("training.epochs=1", "training.lr=0.0001"))
-    first, second = run_training(weak), run_training(weak)
+    first = run_training(weak)
     assert first.metrics["val_accuracy"] < champion_outcome.metrics["val_accuracy"]
-    assert not first.promoted and not second.promoted
+    assert not first.promoted and first.model_version != champion_outcome.model_version
     champion = client.get_model_version_by_alias(cfg.tracking.registered_model, "champion")
     assert int(champion.version) == champion_outcome.model_version
-    assert first.model_version != second.model_version
-    # Same seed, same data, CPU: the two runs are identical.
-    assert first.metrics["train_loss"] == second.metrics["train_loss"]
-    assert first.metrics["val_loss"] == second.metrics["val_loss"]
 
 
 def _train_cli(ray_cluster, workspace, *args: str) -> subprocess.CompletedProcess:

@@ -67,6 +67,7 @@ def test_mixed_code_stops_the_run_naming_each_side():
 
 def test_job_runtime_env_carries_store_code_path_and_commit(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # not a git checkout: the commit comes from the environment
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.setenv("RAYLANE_GIT_COMMIT", "f" * 40)
     monkeypatch.setenv("RAYLANE_GIT_DIRTY", "0")
     env = job_runtime_env()["env_vars"]

@@ -51,3 +51,8 @@ def apply_ingress_env(ingress: Ingress) -> None:
 def running_ingress() -> Ingress:
     """The ingress this process's environment selects."""
     return "haproxy" if os.environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1" else "proxy"
+
+
+def export_lines(ingress: Ingress) -> str:
+    """`export NAME=value ...` for a shell (`eval "$(raylane serve-env)"` before `ray start`)."""
+    return "export " + " ".join(f"{k}={v}" for k, v in ingress_env(ingress).items())

@@ -173,6 +173,10 @@ def log_trained_model(model: nn.Module, cfg: RaylaneConfig, example: np.ndarray)
     from mlflow.models import infer_signature
 
     model = model.eval()
+    if len(example) < 2:
+        # torch.export specializes a dimension of size 1: a 1-row example would give a model
+        # that refuses every batch of more than one row.
+        example = np.concatenate([example, example])
     with torch.no_grad():
         output = model(torch.from_numpy(example)).numpy()
     return mlflow.pytorch.log_model(

@@ -1,7 +1,7 @@
 """Per-node resource samples in the run's System metrics, from inside the worker group.
 
 The driver may run on a machine that trains nothing; what a user wants to see is where the
-workers spent CPU, memory, network (and GPU). One worker per node (local rank 0) runs MLflow's
+workers spent CPU, memory, network (and GPU). One worker per node (its first rank) runs MLflow's
 own `SystemMetricsMonitor` into the run, keyed by node (`system/<node>/cpu_utilization_percentage`),
 so a multi-node run shows each node side by side in the MLflow UI's System metrics tab.
 """
@@ -21,10 +21,10 @@ def node_label() -> str:
 
 
 def start_node_monitor(
-    tracking_uri: str, run_id: str, interval_s: float, local_rank: int
+    tracking_uri: str, run_id: str, interval_s: float, first_on_node: bool
 ) -> Any | None:
-    """Start sampling this node into the run (local rank 0 only); None when off or not ours."""
-    if interval_s <= 0 or local_rank != 0:
+    """Start sampling this node into the run (its first rank only); None when off or not ours."""
+    if interval_s <= 0 or not first_on_node:
         return None
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 

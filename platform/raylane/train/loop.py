@@ -168,7 +168,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Train the configured model on this worker's data, reporting once per epoch.
 
     `loop_config` holds the resolved config (`config`), and the MLflow run to log into
-    (`tracking_uri`, `run_id`): rank 0 logs the epochs, local rank 0 of each node its
+    (`tracking_uri`, `run_id`): rank 0 logs the epochs, the first rank on each node its
     system metrics, and every rank its console output (`logs/rank-N.*`).
     """
     cfg = RaylaneConfig.model_validate(loop_config["config"])
@@ -210,9 +210,12 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
             epoch_logger = EpochLogger(uri, run_id, cfg.tracking.outage_window_s)
             epoch_logger.log_placement(placement)
             epoch_logger.log_code_identity(placement)
-        monitor = start_node_monitor(
-            uri, run_id, cfg.tracking.system_metrics_interval_s, context.get_local_rank()
-        )
+        # The first rank on each Ray node samples it (not "local rank 0": Ray numbers local
+        # ranks per IP, and several nodes can share one).
+        node = ray.get_runtime_context().get_node_id()
+        first_here = min(r["rank"] for r in placement if r["node_id"] == node) == rank
+        interval_s = cfg.tracking.system_metrics_interval_s
+        monitor = start_node_monitor(uri, run_id, interval_s, first_here)
     try:
         _train_epochs(strategy, model, optimizer, cfg, start_epoch, rank, epoch_logger)
         if epoch_logger is not None:

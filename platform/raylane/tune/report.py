@@ -17,7 +17,7 @@ from raylane.tune.spec import TuneSpec
 
 COLUMNS = ["rank", "layout", "strategy", "workers", "dp", "pp", "microbatches", "batch_size",
            "grad_compression", "activation_checkpointing", "samples_per_s", "peak_rss_mb",
-           "epochs", "status", "detail"]  # fmt: skip
+           "train_loss", "epochs", "status", "detail"]  # fmt: skip
 
 
 def _row(rank: int | str, trial: TrialOutcome) -> dict:
@@ -35,6 +35,7 @@ def _row(rank: int | str, trial: TrialOutcome) -> dict:
         "activation_checkpointing": o["training.activation_checkpointing"],
         "samples_per_s": None if trial.samples_per_s is None else round(trial.samples_per_s, 1),
         "peak_rss_mb": None if trial.peak_rss_mb is None else round(trial.peak_rss_mb),
+        "train_loss": trial.metrics.get("train_loss"),
         "epochs": trial.epochs,
         "status": trial.status,
         "detail": trial.detail,
