@@ -129,10 +129,6 @@ class EpochLogger:
             self._check_window()
             time.sleep(1.0)
 
-    @property
-    def pending(self) -> int:
-        return len(self._pending)
-
     def _flush(self) -> bool:
         try:
             for start in range(0, len(self._pending), 1000):  # MLflow's batch limit
