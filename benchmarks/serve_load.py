@@ -9,15 +9,18 @@ torch thread for the model in every setup:
       (benchmarks/plain_fastapi_batched.py): the strongest single process a user could write;
   (c) the bare model's in-process forward on full batches (`--batch-size` rows): the ceiling;
   (a) the raylane Serve application as deployed by default (`raylane.serving.app.deploy` on a
-      Ray started with the config's ingress, HAProxy unless `--set serving.ingress=proxy`),
-      one replica, batched.
+      Ray started with the config's ingress, HAProxy unless `--set serving.ingress=proxy`;
+      default serving settings: batches of 32, autoscaling 1-2 replicas of 0.5 CPU), measured
+      once autoscaling has settled under the load;
+  (a1) the same app pinned to one replica of one CPU: the like-for-like peer of (d).
 
 (a), (b) and (d) get the same closed-loop load: `--clients` keep-alive connections from
 raylane.serving.loadgen on 127.0.0.1, one row per request, for `--seconds` (after a warm-up)
 or `--max-requests`. Then the large-input case: `--large-rows` rows (16,384 floats) per
 request to (a) from `--large-clients` clients, as JSON and as OIP binary tensor data.
 The table gives throughput, p50/p95/p99 latency, mean batch size and the load generator's own
-CPU share; the last line is one JSON object with the ratios.
+CPU share; the last line is one JSON object with the ratios ((a) against the others, and
+`one_replica_*` for (a1)).
 
     python benchmarks/serve_load.py [--clients 32] [--seconds 15] [--batch-size 32]
         [--set serving.ingress=proxy]
@@ -42,10 +45,16 @@ MODEL = "bench-mlp"
 HIDDEN = "[2048,2048,2048,2048]"
 
 
-def bench_config(workdir: Path, args, port: int):
-    """The reference config with the benchmark's model and one replica; `--set` goes last."""
+def bench_config(workdir: Path, args, port: int, one_replica: bool = False):
+    """The reference config with the benchmark's model; serving settings stay the defaults
+    (`one_replica`: pinned to one replica of one CPU, after `--set`)."""
     from raylane.config import load_config
 
+    pinned = [
+        "serving.replica_cpus=1",
+        "serving.autoscaling.min_replicas=1",
+        "serving.autoscaling.max_replicas=1",
+    ]
     return load_config(
         ROOT / "configs" / "train" / "digits_ddp.yaml",
         [
@@ -55,13 +64,8 @@ def bench_config(workdir: Path, args, port: int):
             f"model.hidden_sizes={HIDDEN}",
             f"serving.model_name={MODEL}",
             f"serving.port={port}",
-            f"serving.max_batch_size={args.batch_size}",
-            f"serving.batch_wait_timeout_s={args.batch_wait}",
-            f"serving.max_ongoing_requests={max(args.batch_size, args.clients) * 2}",
-            "serving.replica_cpus=1",
-            "serving.autoscaling.min_replicas=1",
-            "serving.autoscaling.max_replicas=1",
             *args.overrides,
+            *(pinned if one_replica else []),
         ],
     )
 
@@ -229,8 +233,60 @@ def _wait_for_port(port: int, server: subprocess.Popen, timeout_s: float = 120.0
     raise TimeoutError(f"nothing listened on port {port} within {timeout_s:.0f} s")
 
 
-def raylane_serve(cfg, args):
+def replica_states() -> dict[str, int]:
+    from ray import serve
+
+    from raylane.serving.app import APP_NAME
+    from raylane.serving.status import state_name
+
+    deployment = serve.status().applications[APP_NAME].deployments["model"]
+    return {state_name(state): n for state, n in deployment.replica_states.items()}
+
+
+def settle(url: str, cfg, args) -> int:
+    """Load the endpoint until autoscaling runs the replicas this load asks for (clients /
+    target in flight per replica, within min/max; or 180 s); return the running replicas."""
+    import math
+
+    from raylane.serving.loadgen import run_load
+
+    scaling = cfg.serving.autoscaling
+    target = scaling.target_ongoing_requests or cfg.serving.max_batch_size
+    wanted = min(max(math.ceil(args.clients / target), scaling.min_replicas), scaling.max_replicas)
+    deadline = time.monotonic() + 180.0
+    while True:
+        states = replica_states()
+        if states == {"RUNNING": wanted} or time.monotonic() > deadline:
+            return states.get("RUNNING", 0)
+        print(f"  waiting for autoscaling: {states}, want {wanted} running", flush=True)
+        path = f"/v2/models/{MODEL}/infer"
+        run_load(url, path, infer_body(args.row), clients=args.clients, duration_s=3.0)
+
+
+def batch_counts(url: str, samples: int = 24) -> dict[str, tuple[int, int]]:
+    """(batches, requests) so far per replica, from the stats route asked `samples` times."""
     import httpx
+
+    seen = {}
+    with httpx.Client() as client:
+        for _ in range(samples):
+            stats = client.get(f"{url}/v2/models/{MODEL}/stats").json()["model_stats"][0]
+            seen[stats["replica"]] = (stats["batches"], stats["requests"])
+    return seen
+
+
+def measure_served(url: str, args):
+    """Load result and mean batch size over the replicas seen before and after."""
+    before = batch_counts(url)
+    result = measure(url, infer_body(args.row), args)
+    after = batch_counts(url)
+    both = before.keys() & after.keys()
+    batches = sum(after[r][0] - before[r][0] for r in both)
+    requests = sum(after[r][1] - before[r][1] for r in both)
+    return result, requests / batches if batches else 0.0
+
+
+def raylane_serve(cfg, pinned_cfg, args):
     import ray
 
     from raylane.runtime import connect_ray
@@ -239,17 +295,17 @@ def raylane_serve(cfg, args):
     connect_ray(serve_ingress=cfg.serving.ingress)
     try:
         url, _ = deploy(cfg)
-        stats_url = f"{url}/v2/models/{MODEL}/stats"
-        before = httpx.get(stats_url).json()["model_stats"][0]
-        result = measure(url, infer_body(args.row), args)
-        after = httpx.get(stats_url).json()["model_stats"][0]
-        batches = after["batches"] - before["batches"]
-        mean_batch = (after["requests"] - before["requests"]) / batches if batches else 0.0
+        replicas = settle(url, cfg, args)
+        served = measure_served(url, args)
         large = np.random.default_rng(2).uniform(0, 16, (args.large_rows, 64)).astype(np.float32)
         large_json = measure(url, infer_body(large), args, clients=args.large_clients)
         binary, headers = binary_infer_body(large)
         large_binary = measure(url, binary, args, clients=args.large_clients, headers=headers)
-        return result, mean_batch, large_json, large_binary
+        deploy(pinned_cfg)  # Serve rolls the app onto one replica of one CPU
+        while replica_states() != {"RUNNING": 1}:
+            time.sleep(1.0)
+        pinned = measure_served(url, args)
+        return replicas, served, pinned, large_json, large_binary
     finally:
         shutdown_serve()
         ray.shutdown()
@@ -260,8 +316,6 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=15.0)
     parser.add_argument("--max-requests", type=int, default=60_000)
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--batch-wait", type=float, default=0.005)
     parser.add_argument("--large-rows", type=int, default=256, help="rows per large request")
     parser.add_argument("--large-clients", type=int, default=8)
     parser.add_argument(
@@ -272,7 +326,12 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="raylane-serve-load-") as tmp:
         workdir = Path(tmp)
-        cfg = bench_config(workdir, args, free_port())
+        port = free_port()
+        cfg = bench_config(workdir, args, port)
+        pinned_cfg = bench_config(workdir, args, port, one_replica=True)
+        # (d) batches like the replica: same batch size and wait.
+        args.batch_size = cfg.serving.max_batch_size
+        args.batch_wait = cfg.serving.batch_wait_timeout_s
         accuracy = register_model(cfg)
         print(f"model: MLP 64 -> {HIDDEN} -> 10, training accuracy {accuracy:.3f}", flush=True)
         args.row = np.random.default_rng(1).uniform(0, 16, 64).astype(np.float32)
@@ -280,7 +339,9 @@ def main() -> None:
         plain = plain_fastapi(cfg, args, free_port())
         batched = plain_fastapi(cfg, args, free_port(), module="plain_fastapi_batched")
         bare_rate, single_ms = bare_forward(cfg, args.batch_size, seconds=5.0)
-        served, mean_batch, large_json, large_binary = raylane_serve(cfg, args)
+        replicas, (served, mean_batch), (pinned, pinned_batch), large_json, large_binary = (
+            raylane_serve(cfg, pinned_cfg, args)
+        )
         large_json_rate = large_json.throughput * args.large_rows
         large_binary_rate = large_binary.throughput * args.large_rows
 
@@ -302,7 +363,8 @@ def main() -> None:
         f"{'setup':<28} {'rows/s':>9} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'batch':>6} "
         f"{'client':>7}"
     )
-    print(row("(a) raylane Serve", served, served.throughput, mean_batch))
+    print(row(f"(a) raylane Serve, {replicas} repl.", served, served.throughput, mean_batch))
+    print(row("(a1) raylane, 1 replica", pinned, pinned.throughput, pinned_batch))
     print(row("(b) plain FastAPI", plain, plain.throughput, 1.0))
     print(row("(d) FastAPI + micro-batcher", batched, batched.throughput, None))
     print(row("(c) bare batched forward", None, bare_rate, float(args.batch_size)))
@@ -325,6 +387,10 @@ def main() -> None:
                 "p99_ms": round(served.percentile_ms(99), 1),
                 "fastapi_p99_ms": round(plain.percentile_ms(99), 1),
                 "mean_batch_size": round(mean_batch, 2),
+                "replicas": replicas,
+                "one_replica_rows_per_s": round(pinned.throughput, 1),
+                "one_replica_vs_fastapi_batched": round(pinned.throughput / batched.throughput, 3),
+                "one_replica_p99_ms": round(pinned.percentile_ms(99), 1),
                 "clients": args.clients,
                 "ingress": cfg.serving.ingress,
             }

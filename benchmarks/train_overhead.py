@@ -5,7 +5,12 @@ so a step is compute-bound), one torch thread per process:
 
   (a) a bare single-process torch loop over in-memory tensors;
   (b) Ray Train, 1 worker, fed by Ray Data from Parquet;
-  (c) Ray Train, 2 workers (DDP), fed by Ray Data.
+  (c) Ray Train, 2 workers (DDP), fed by Ray Data;
+  (d) plain torch DDP, two processes (torch.multiprocessing, gloo), each on its half of the
+      in-memory tensors: the same model, batch size and threads without Ray.
+
+(b) and (c) also report their step-time split (raylane.train.step_times): data wait, compute
+and exposed communication per step, which says where Ray's extra time over (d) goes.
 
 Start-up is excluded: each figure is the median of per-epoch samples/s after the first
 (warm-up) epoch. The training split is repeated `--repeat` times (default 6, about 8,600 rows)
@@ -62,17 +67,21 @@ def repeat_training_rows(cfg, times: int) -> int:
     return table.num_rows * times
 
 
-def bare_torch(cfg) -> list[float]:
-    """(a): the same model, optimizer, batch size and data, no Ray, one process."""
+def _tensors(cfg) -> tuple[torch.Tensor, torch.Tensor]:
     import pyarrow.parquet as pq
 
-    torch.set_num_threads(1)
-    torch.manual_seed(cfg.training.seed)
     table = pq.read_table(cfg.data.train_path)
     features = torch.from_numpy(
         np.stack(table.column("features").to_numpy(zero_copy_only=False)).astype(np.float32)
     )
-    labels = torch.from_numpy(table.column("label").to_numpy().astype(np.int64))
+    return features, torch.from_numpy(table.column("label").to_numpy().astype(np.int64))
+
+
+def bare_torch(cfg) -> list[float]:
+    """(a): the same model, optimizer, batch size and data, no Ray, one process."""
+    torch.set_num_threads(1)
+    torch.manual_seed(cfg.training.seed)
+    features, labels = _tensors(cfg)
     model = build_model(cfg.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.training.lr)
     loss_fn = torch.nn.CrossEntropyLoss()
@@ -89,14 +98,65 @@ def bare_torch(cfg) -> list[float]:
     return rates
 
 
-def ray_train(cfg, name: str) -> list[float]:
-    """(b)/(c): the raylane trainer with Ray Data ingest; per-epoch samples/s from its reports."""
+def _ddp_worker(rank: int, cfg, port: int, rates) -> None:
+    """One process of (d): DDP over gloo on every other batch of the shuffled rows."""
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(cfg.training.seed)
+        features, labels = _tensors(cfg)
+        model = DistributedDataParallel(build_model(cfg.model))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.training.lr)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        batch = cfg.training.batch_size
+        mine = []
+        for epoch in range(cfg.training.epochs):
+            generator = torch.Generator().manual_seed(epoch)
+            order = torch.randperm(len(labels), generator=generator)
+            steps = len(labels) // (2 * batch)
+            dist.barrier()
+            start = time.perf_counter()
+            for step in range(steps):
+                index = order[(2 * step + rank) * batch : (2 * step + rank + 1) * batch]
+                optimizer.zero_grad(set_to_none=True)
+                loss_fn(model(features[index]), labels[index]).backward()
+                optimizer.step()
+            mine.append(2 * steps * batch / (time.perf_counter() - start))
+        rates[rank] = mine
+    finally:
+        dist.destroy_process_group()
+
+
+def plain_ddp(cfg) -> list[float]:
+    """(d): per-epoch samples/s of the two-process group (rank 0's clock)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    rates = mp.Manager().dict()
+    mp.spawn(_ddp_worker, args=(cfg, port, rates), nprocs=2, join=True)
+    return list(rates[0])
+
+
+def ray_train(cfg, name: str) -> tuple[list[float], dict[str, float]]:
+    """(b)/(c): the raylane trainer with Ray Data ingest; per-epoch samples/s from its reports,
+    and the last epoch's step-time split."""
     from raylane.data.ray_datasets import read_datasets
     from raylane.train.trainer import build_trainer
 
     result = build_trainer(cfg, read_datasets(cfg), name, {}).fit()
-    history = sorted((m["epoch"], m["train_samples_per_s"]) for _, m in result.best_checkpoints)
-    return [rate for _, rate in history]
+    history = sorted((m for _, m in result.best_checkpoints), key=lambda m: m["epoch"])
+    split = {k: v for k, v in history[-1].items() if k.startswith("step_")}
+    return [m["train_samples_per_s"] for m in history], split
 
 
 def steady(rates: list[float]) -> float:
@@ -122,19 +182,26 @@ def main() -> None:
         ray.init(num_cpus=2, logging_level="ERROR", log_to_driver=False)
         try:
             stamp = time.strftime("%H%M%S")
-            ray1 = ray_train(cfg1, f"bench-ray1-{stamp}")
-            ray2 = ray_train(cfg2, f"bench-ray2-{stamp}")
+            ray1, split1 = ray_train(cfg1, f"bench-ray1-{stamp}")
+            ray2, split2 = ray_train(cfg2, f"bench-ray2-{stamp}")
         finally:
             ray.shutdown()
-        # The bare loop runs with Ray stopped, so it gets the machine as a user's script would.
+        # The bare loop and plain DDP run with Ray stopped, as a user's script would.
         bare = bare_torch(cfg1)
+        ddp2 = plain_ddp(cfg2)
 
     setups = [("(a) bare torch, 1 process", bare), ("(b) Ray Train, 1 worker", ray1),
-            ("(c) Ray Train, 2 workers", ray2)]  # fmt: skip
+            ("(c) Ray Train, 2 workers", ray2), ("(d) plain DDP, 2 processes", ddp2)]  # fmt: skip
     print(f"{'setup':<28} {'steady samples/s':>17}   per-epoch samples/s")
     print(f"training rows per epoch: {rows}")
     for label, rates in setups:
         print(f"{label:<28} {steady(rates):>17.0f}   " + " ".join(f"{r:.0f}" for r in rates))
+    print("\nstep-time split, last epoch, ms per step (mean over workers):")
+    for label, split in (("(b) Ray Train, 1 worker", split1), ("(c) Ray Train, 2 workers", split2)):
+        parts = ", ".join(
+            f"{k[5:-3]} {v:.2f}" for k, v in split.items() if k.endswith("_ms") and k != "step_ms"
+        )
+        print(f"{label:<28} step {split['step_ms']:.2f}: {parts}")
     figures = {
         "model": f"cnn {args.channels}",
         "batch_size_per_worker": args.batch_size,
@@ -145,6 +212,11 @@ def main() -> None:
         "ray2_samples_per_s": round(steady(ray2), 1),
         "ray1_vs_torch": round(steady(ray1) / steady(bare), 3),
         "ray2_vs_ray1": round(steady(ray2) / steady(ray1), 3),
+        "ddp2_samples_per_s": round(steady(ddp2), 1),
+        "ddp2_vs_torch": round(steady(ddp2) / steady(bare), 3),
+        "ray2_vs_ddp2": round(steady(ray2) / steady(ddp2), 3),
+        "ray2_comm_ms": round(split2.get("step_comm_ms", 0.0), 3),
+        "ray2_data_wait_ms": round(split2.get("step_data_wait_ms", 0.0), 3),
     }
     print(json.dumps(figures))
 

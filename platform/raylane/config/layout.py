@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     from raylane.config.schema import RaylaneConfig
 
 PIPELINED = ("pipeline", "hybrid")
+DATA_PARALLEL = ("ddp", "local_sgd", "async", "ssp")
 
 
 def stage_boundaries(n_layers: int, pp: int, split_points: list[int] | None) -> list[int]:
@@ -57,11 +58,17 @@ def check_layout(cfg: RaylaneConfig) -> None:
             "parallelism.grad_compression 'bf16' needs NCCL (parallelism.use_gpu: true); "
             "gloo on CPU cannot all-reduce bf16, use 'fp16' or 'powersgd'"
         )
-    if par.strategy == "ddp":
+    if par.straggler is not None and max(par.straggler.ranks) >= par.workers:
+        raise ValueError(
+            f"parallelism.straggler.rank {max(par.straggler.ranks)} names no worker; "
+            f"ranks are 0-{par.workers - 1}"
+        )
+    if par.strategy in DATA_PARALLEL:
         if par.pp != 1 or par.dp not in (1, par.workers):
             raise ValueError(
-                f"parallelism: strategy 'ddp' uses all {par.workers} workers as data-parallel "
-                f"replicas; pp must be 1 (got {par.pp}) and dp 1 or {par.workers} (got {par.dp})"
+                f"parallelism: strategy '{par.strategy}' uses all {par.workers} workers as "
+                f"data-parallel replicas; pp must be 1 (got {par.pp}) and dp 1 or "
+                f"{par.workers} (got {par.dp})"
             )
         return
     if cfg.model.kind != "gpt":

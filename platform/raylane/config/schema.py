@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DIGITS_FEATURES = 64
 DIGITS_CLASSES = 10
@@ -146,13 +146,41 @@ class TrainingConfig(StrictModel):
     )
 
 
+class StragglerConfig(StrictModel):
+    rank: int | list[int] = Field(
+        ...,
+        description="The worker (world rank) that straggles, or several that take turns "
+        "(staggered within each `every` steps).",
+    )
+    every: int = Field(1, ge=1, description="It sleeps before every `every`-th step.")
+    delay_s: float = Field(..., gt=0, le=60, description="How long it sleeps each time.")
+    first_epoch: int = Field(0, ge=0, description="First epoch it straggles in.")
+    last_epoch: int | None = Field(
+        None, ge=0, description="Last epoch it straggles in (unset: to the end)."
+    )
+
+    @field_validator("rank")
+    @classmethod
+    def _check_ranks(cls, rank: int | list[int]) -> int | list[int]:
+        ranks = rank if isinstance(rank, list) else [rank]
+        if not ranks or min(ranks) < 0 or len(set(ranks)) != len(ranks):
+            raise ValueError("must be a worker rank >= 0, or a list of distinct ones")
+        return rank
+
+    @property
+    def ranks(self) -> list[int]:
+        return self.rank if isinstance(self.rank, list) else [self.rank]
+
+
 class ParallelismConfig(StrictModel):
-    strategy: Literal["ddp", "pipeline", "hybrid"] = Field(
+    strategy: Literal["ddp", "pipeline", "hybrid", "local_sgd", "async", "ssp"] = Field(
         "ddp",
         description="How the model is parallelised. 'ddp': data parallel "
-        "(DistributedDataParallel); 'pipeline': the model's blocks split into `pp` stages on "
-        "different workers, micro-batched; 'hybrid': `dp` data-parallel replicas of a `pp`-stage "
-        "pipeline.",
+        "(DistributedDataParallel, synchronous all-reduce); 'pipeline': the model's blocks split "
+        "into `pp` stages on different workers, micro-batched; 'hybrid': `dp` data-parallel "
+        "replicas of a `pp`-stage pipeline. Relaxed consistency, data parallel: 'local_sgd' "
+        "(parameters averaged every `local_sgd_period` steps), 'async' (a parameter server on "
+        "Ray actors, no waiting), 'ssp' (the same, at most `staleness` steps ahead).",
     )
     workers: int = Field(
         2, ge=1, description="Ray Train workers (processes) in the job; dp * pp of them."
@@ -184,11 +212,33 @@ class ParallelismConfig(StrictModel):
         description="torch intra-op threads per worker. Default: the machine's cores divided "
         "by the workers, at least 1, so workers do not oversubscribe cores.",
     )
-    grad_compression: Literal["none", "fp16", "bf16", "powersgd"] = Field(
+    grad_compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = Field(
         "none",
         description="DDP gradient compression through a communication hook: 'fp16'/'bf16' "
         "halve the all-reduced bytes ('bf16' on NCCL only), 'powersgd' sends a rank-1 "
-        "approximation (ddp only).",
+        "approximation, 'topk' the largest `topk_ratio` of the entries (values + indices); "
+        "both with error feedback (ddp only). Every hook counts the bytes it sends.",
+    )
+    topk_ratio: float = Field(
+        0.01, gt=0, le=0.5, description="Share of gradient entries 'topk' compression sends."
+    )
+    local_sgd_period: int = Field(
+        4, ge=1, description="'local_sgd': steps between parameter averages (H)."
+    )
+    staleness: int = Field(
+        2, ge=0, description="'ssp': most steps a worker may run ahead of the slowest."
+    )
+    staleness_lr: bool = Field(
+        False,
+        description="'async'/'ssp': divide an update's learning rate by its staleness.",
+    )
+    ps_shards: int = Field(
+        2, ge=1, description="'async'/'ssp': parameter-server actors the model is split over."
+    )
+    straggler: StragglerConfig | None = Field(
+        None,
+        description="Make workers slow on purpose: {rank (one or a list taking turns), "
+        "every, delay_s, first_epoch, last_epoch}; see README, Communication and consistency.",
     )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray placement strategy of the worker group."
@@ -239,8 +289,12 @@ class TrackingConfig(StrictModel):
 class AutoscalingConfig(StrictModel):
     min_replicas: int = Field(1, ge=0, description="Fewest model replicas.")
     max_replicas: int = Field(2, ge=1, description="Most model replicas.")
-    target_ongoing_requests: float = Field(
-        8.0, gt=0, description="Requests in flight per replica that autoscaling aims for."
+    target_ongoing_requests: float | None = Field(
+        None,
+        gt=0,
+        description="Requests in flight per replica that autoscaling aims for. Default: "
+        "serving.max_batch_size: a batching replica needs a full batch in flight, and a lower "
+        "target splits the load into half-full batches (benchmarks/README.md, serve_load).",
     )
     upscale_delay_s: float = Field(5.0, ge=0, description="Seconds of high load before adding.")
     downscale_delay_s: float = Field(30.0, ge=0, description="Seconds of low load before removing.")

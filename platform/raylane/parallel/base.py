@@ -28,6 +28,14 @@ class ParallelStrategy(Protocol):
     #: This worker writes its part of each checkpoint, under this part number.
     saves_checkpoint: bool
     checkpoint_part: int
+    #: Seconds of the last `train_step` by part: 'compute', 'comm' (exposed communication),
+    #: 'bubble' (pipeline stages waiting for each other); see raylane.train.step_times.
+    last_step_parts: dict[str, float]
+    #: Optional: JSON tables rank 0 logs with the run each epoch (name -> dict), and
+    #: `steps_done()`, called when this worker's steps of an epoch are over, before the
+    #: epoch's collectives (a worker others may be waiting for says it stopped).
+    # run_tables: dict[str, dict]
+    # def steps_done(self) -> None: ...
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Apply the strategy to a plain model on this worker; return what this worker trains."""

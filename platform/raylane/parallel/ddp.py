@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -22,6 +24,9 @@ class DataParallel:
     def __init__(self, cfg: RaylaneConfig, rank: int):
         self.saves_checkpoint = rank == 0
         self.grad_compression = cfg.parallelism.grad_compression
+        self.topk_ratio = cfg.parallelism.topk_ratio
+        self.last_step_parts: dict[str, float] = {}
+        self.steps = 0
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         from ray.train.torch import prepare_model
@@ -31,7 +36,7 @@ class DataParallel:
         from raylane.parallel.grad_compression import register_compression
 
         model = prepare_model(model, parallel_strategy="ddp")
-        register_compression(model, self.grad_compression)
+        self.meter = register_compression(model, self.grad_compression, self.topk_ratio)
         self.device = next(model.parameters()).device
         return model
 
@@ -46,10 +51,19 @@ class DataParallel:
         inputs: torch.Tensor,
         targets: torch.Tensor,
     ) -> torch.Tensor:
+        started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(model(inputs.to(self.device)), targets.to(self.device))
+        backward_started = time.perf_counter()
         loss.backward()
+        backward_done = time.perf_counter()
         optimizer.step()
+        done = time.perf_counter()
+        # After the last gradient bucket was ready, backward only waited for all-reduces.
+        ready = self.meter.take_last_ready()
+        exposed = backward_done - ready if ready is not None and ready > backward_started else 0
+        self.last_step_parts = {"compute": done - started - exposed, "comm": exposed}
+        self.steps += 1
         return loss.detach()
 
     def forward(
@@ -58,4 +72,13 @@ class DataParallel:
         return model(inputs.to(self.device)).cpu()
 
     def epoch_stats(self) -> dict[str, float]:
-        return {}
+        """Bytes this worker handed to gradient collectives per step, against fp32's."""
+        meter, steps = self.meter, max(self.steps, 1)
+        stats = {}
+        if meter.dense_bytes:
+            stats = {
+                "comm_bytes_per_step": meter.sent_bytes / steps,
+                "comm_bytes_ratio": meter.sent_bytes / meter.dense_bytes,
+            }
+        meter.sent_bytes = meter.dense_bytes = self.steps = 0
+        return stats

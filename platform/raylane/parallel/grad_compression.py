@@ -1,27 +1,162 @@
-"""DDP gradient compression through torch's communication hooks."""
+"""DDP gradient communication hooks that count what each worker sends.
 
-from __future__ import annotations
+Every scheme is a DDP communication hook. Each collective it issues adds the bytes of the
+tensor this worker hands to it to a `CommMeter` (counted in the hook, not from a formula), and
+each hook call marks the time its bucket's gradients were ready: after the last bucket, what
+`backward()` still waits for is communication that did not overlap with compute.
 
+Schemes: 'none' (fp32 all-reduce), 'fp16'/'bf16' (all-reduce in half precision), 'powersgd'
+(torch's rank-r PowerSGD with error feedback) and 'topk' (the largest `topk_ratio` of each
+bucket's entries, values and int32 indices all-gathered, the rest fed back into the next step).
+"""
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 
-def register_compression(model, method: str) -> None:
-    """Register the hook for `method` ('fp16', 'bf16', 'powersgd') on a DDP model.
+@dataclass
+class CommMeter:
+    """Bytes this worker handed to collectives, and when the last gradient bucket was ready."""
 
-    A model that is not wrapped in DDP (a single worker) all-reduces nothing; it is left as is.
+    sent_bytes: int = 0
+    dense_bytes: int = 0  # what an fp32 all-reduce of the same buckets would have sent
+    last_ready_s: float | None = None
+
+    def sent(self, tensor: torch.Tensor) -> None:
+        self.sent_bytes += tensor.numel() * tensor.element_size()
+
+    def bucket_ready(self, bucket: dist.GradBucket) -> None:
+        self.dense_bytes += bucket.buffer().numel() * 4
+        self.last_ready_s = time.perf_counter()
+
+    def take_last_ready(self) -> float | None:
+        ready, self.last_ready_s = self.last_ready_s, None
+        return ready
+
+
+class _CountingDist:
+    """`torch.distributed` as seen by torch's hook modules, with collectives counted."""
+
+    def __init__(self, meter_of):
+        self._meter_of = meter_of
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+    def all_reduce(self, tensor, *args, **kwargs):
+        meter = self._meter_of()
+        if meter is not None:
+            meter.sent(tensor)
+        return dist.all_reduce(tensor, *args, **kwargs)
+
+
+# torch's PowerSGD (and the plain all-reduce it starts with) call `dist.all_reduce` through
+# their module's `dist`; one DDP model per worker process, so one meter at a time.
+_ACTIVE: list[CommMeter] = []
+powerSGD_hook.dist = _CountingDist(lambda: _ACTIVE[-1] if _ACTIVE else None)
+default_hooks.dist = powerSGD_hook.dist
+
+
+def _allreduce_mean(meter: CommMeter, tensor: torch.Tensor) -> torch.futures.Future:
+    tensor.div_(dist.get_world_size())
+    meter.sent(tensor)
+    return dist.all_reduce(tensor, async_op=True).get_future()
+
+
+def fp32_hook(meter: CommMeter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    meter.bucket_ready(bucket)
+    return _allreduce_mean(meter, bucket.buffer()).then(lambda fut: fut.value()[0])
+
+
+def _half_hook(dtype: torch.dtype):
+    def hook(meter: CommMeter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        meter.bucket_ready(bucket)
+        buffer = bucket.buffer()
+        compressed = buffer.to(dtype)
+
+        def decompress(fut):
+            buffer.copy_(fut.value()[0])
+            return buffer
+
+        return _allreduce_mean(meter, compressed).then(decompress)
+
+    return hook
+
+
+HALF_HOOKS = {"fp16": _half_hook(torch.float16), "bf16": _half_hook(torch.bfloat16)}
+
+
+@dataclass
+class TopKState:
+    """Top-k sparsification with error feedback: what a step leaves out is added to the next."""
+
+    meter: CommMeter
+    ratio: float
+    residuals: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    state.meter.bucket_ready(bucket)
+    buffer = bucket.buffer()
+    residual = state.residuals.get(bucket.index())
+    # DDP rebuilds its buckets after the first step; a residual of another size is dropped.
+    fits = residual is not None and residual.shape == buffer.shape
+    accumulated = buffer + residual if fits else buffer.clone()
+    k = max(1, int(buffer.numel() * state.ratio))
+    indices = accumulated.abs().topk(k, sorted=False).indices
+    values = accumulated[indices]
+    accumulated[indices] = 0
+    state.residuals[bucket.index()] = accumulated
+    payload = torch.cat([values, indices.to(torch.int32).view(values.dtype)])
+    world = dist.get_world_size()
+    gathered = [torch.empty_like(payload) for _ in range(world)]
+    state.meter.sent(payload)
+    future = dist.all_gather(gathered, payload, async_op=True).get_future()
+
+    def decompress(_):
+        buffer.zero_()
+        for part in gathered:
+            buffer.index_add_(0, part[k:].view(torch.int32).long(), part[:k])
+        return buffer.div_(world)
+
+    return future.then(decompress)
+
+
+def _powersgd_hook(meter: CommMeter):
+    # Short runs: start compressing after 2 plain all-reduces (torch's default waits 1,000).
+    state = powerSGD_hook.PowerSGDState(
+        process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2
+    )
+
+    def hook(state: powerSGD_hook.PowerSGDState, bucket: dist.GradBucket):
+        meter.bucket_ready(bucket)
+        return powerSGD_hook.powerSGD_hook(state, bucket)
+
+    return state, hook
+
+
+def register_compression(model, method: str, topk_ratio: float = 0.01) -> CommMeter:
+    """Register the hook for `method` on a DDP model; return the meter it counts into.
+
+    A model that is not wrapped in DDP (a single worker) all-reduces nothing: the meter stays 0.
     """
-    if method == "none" or not isinstance(model, DistributedDataParallel):
-        return
-    if method == "fp16":
-        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
-    elif method == "bf16":
-        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    meter = CommMeter()
+    if not isinstance(model, DistributedDataParallel):
+        return meter
+    _ACTIVE[:] = [meter]
+    if method == "none":
+        model.register_comm_hook(meter, fp32_hook)
+    elif method in ("fp16", "bf16"):
+        model.register_comm_hook(meter, HALF_HOOKS[method])
     elif method == "powersgd":
-        # Short runs: start compressing after 2 plain all-reduces (the default waits 1,000).
-        state = powerSGD_hook.PowerSGDState(
-            process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2
-        )
-        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        model.register_comm_hook(*_powersgd_hook(meter))
+    elif method == "topk":
+        model.register_comm_hook(TopKState(meter, topk_ratio), topk_hook)
     else:
         raise ValueError(f"unknown gradient compression {method!r}")
+    return meter

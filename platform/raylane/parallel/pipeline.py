@@ -76,6 +76,7 @@ class PipelineParallel:
         self.checkpoint_part = self.stage_index
         self.timer = StageTimer()
         self.activations = ActivationMeter()
+        self.last_step_parts: dict[str, float] = {}
         self._schedule = None
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -118,13 +119,24 @@ class PipelineParallel:
         self._schedule_for(loss_fn)
         optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
+        busy_before = self.timer.busy_s
         start = time.perf_counter()
         with self.activations:
             self._run("step", inputs, targets, losses)
-        self.timer.end_step(time.perf_counter() - start)
+        scheduled = time.perf_counter()
+        self.timer.end_step(scheduled - start)
         if self.mesh.dp > 1:
             average_gradients(model, self.mesh.dp_group, self.mesh.dp)
+        averaged = time.perf_counter()
         optimizer.step()
+        busy = self.timer.busy_s - busy_before
+        # The schedule's time not spent in this stage's own compute went to waiting for (and
+        # exchanging activations with) its neighbours: the bubble.
+        self.last_step_parts = {
+            "compute": busy + (time.perf_counter() - averaged),
+            "bubble": max(scheduled - start - busy, 0.0),
+            "comm": averaged - scheduled,
+        }
         return torch.stack(losses).mean().detach() if self.is_last else None
 
     def forward(

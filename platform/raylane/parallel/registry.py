@@ -7,10 +7,19 @@ from raylane.parallel.base import ParallelStrategy
 
 
 def _strategies() -> dict[str, type]:
+    from raylane.parallel.async_sgd import ParameterServerTraining
     from raylane.parallel.ddp import DataParallel
+    from raylane.parallel.local_sgd import LocalSGD
     from raylane.parallel.pipeline import PipelineParallel
 
-    return {"ddp": DataParallel, "pipeline": PipelineParallel, "hybrid": PipelineParallel}
+    return {
+        "ddp": DataParallel,
+        "pipeline": PipelineParallel,
+        "hybrid": PipelineParallel,
+        "local_sgd": LocalSGD,
+        "async": ParameterServerTraining,
+        "ssp": ParameterServerTraining,
+    }
 
 
 def available_strategies() -> list[str]:

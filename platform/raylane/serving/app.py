@@ -45,7 +45,7 @@ def build_app(cfg: RaylaneConfig, tracking_uri: str, version: int, api_key: str 
             "min_replicas": scaling.min_replicas,
             "initial_replicas": max(1, scaling.min_replicas),
             "max_replicas": scaling.max_replicas,
-            "target_ongoing_requests": scaling.target_ongoing_requests,
+            "target_ongoing_requests": scaling.target_ongoing_requests or serving.max_batch_size,
             "upscale_delay_s": scaling.upscale_delay_s,
             "downscale_delay_s": scaling.downscale_delay_s,
         },

@@ -163,6 +163,8 @@ class InferenceServer:
         requests = sum(size * count for size, count in self.batch_sizes.items())
         return {
             "version": self.predictor.card.version,
+            # Which replica answered: with several, each counts only its own batches.
+            "replica": serve.get_replica_context().replica_id.unique_id,
             "batches": batches,
             "requests": requests,
             "mean_batch_size": requests / batches if batches else 0.0,

@@ -115,6 +115,26 @@ class EpochLogger:
         self._client.set_tag(self._run_id, "raylane.code_path", placement[0]["code_path"])
         self._client.log_text(self._run_id, requirements(), REQUIREMENTS_ARTIFACT)
 
+    def log_tables(self, tables: dict[str, dict]) -> None:
+        """JSON artifacts a strategy keeps for the run (e.g. its staleness histogram); they
+        are rewritten each epoch. Best effort: an outage loses only the latest copy."""
+        for name, table in tables.items():
+            try:
+                self._client.log_dict(self._run_id, table, f"{name}.json")
+            except Exception as exc:  # noqa: BLE001 - metrics matter more; say it and go on
+                print(f"raylane: {name}.json not logged: {exc}", file=sys.stderr)
+
+    def log_step_split(self, history: list[dict[str, float]]) -> None:
+        """The per-epoch step-time split as a stacked-bar figure (`step_time_split.png`)."""
+        from raylane.tracking.step_plot import step_split_figure
+
+        if not history:
+            return
+        try:
+            self._client.log_figure(self._run_id, step_split_figure(history), "step_time_split.png")
+        except Exception as exc:  # noqa: BLE001
+            print(f"raylane: step_time_split.png not logged: {exc}", file=sys.stderr)
+
     def log(self, metrics: dict[str, float], step: int) -> None:
         now = int(time.time() * 1000)
         self._pending += [

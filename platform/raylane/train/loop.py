@@ -30,6 +30,8 @@ from raylane.parallel import get_strategy
 from raylane.parallel.activation_checkpoint import apply_activation_checkpointing
 from raylane.train.batches import iter_torch_batches
 from raylane.train.checkpointing import restore_checkpoint, save_checkpoint
+from raylane.train.step_times import StepTimes, step_metrics
+from raylane.train.straggler import Straggler
 
 
 def seed_everything(seed: int) -> None:
@@ -86,25 +88,42 @@ def _my_batches(strategy, shard, cfg: RaylaneConfig, shuffle_seed: int | None) -
 
 
 def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank):
+    """One epoch: mean loss, rows seen by the group, this worker's epoch time, and the
+    group's step-time split (`raylane.train.step_times`)."""
     model.train()
     loss_sum, rows = 0.0, 0
+    times = StepTimes()
+    straggler = Straggler(cfg.parallelism.straggler, rank)
     # Workers that read the same rows (pipeline stages) must shuffle them the same way.
     seed = cfg.training.seed * 100_003 + epoch * 1_009 + (rank if strategy.splits_dataset else 0)
-    start = time.perf_counter()
-    for step, (inputs, targets) in enumerate(_my_batches(strategy, shard, cfg, seed)):
+    batches = _my_batches(strategy, shard, cfg, seed)
+    start = step_start = time.perf_counter()
+    for step, (inputs, targets) in enumerate(batches):
         if cfg.training.steps_per_epoch is not None and step >= cfg.training.steps_per_epoch:
             break
+        data_wait = time.perf_counter() - step_start
+        straggler.maybe_wait(epoch, step)
         loss = strategy.train_step(model, optimizer, cross_entropy, inputs, targets)
         if strategy.reports_loss:
             loss_sum += loss.item() * len(targets)
             rows += len(targets)
+        now = time.perf_counter()
+        parts = dict(strategy.last_step_parts)
+        if straggler.waited_s:
+            parts["straggler"] = straggler.waited_s
+        times.add(now - step_start, data_wait, parts)
+        step_start = now
     elapsed = time.perf_counter() - start
-    total_loss, total_rows = _all_reduce([loss_sum, rows])
+    steps_done = getattr(strategy, "steps_done", None)  # before the collective below
+    if steps_done is not None:
+        steps_done()
+    total_loss, total_rows, *step_totals = _all_reduce([loss_sum, rows, *times.as_list()])
     # Throughput of the whole group: all rows over this worker's epoch time (the group moves in
     # lock-step, so every worker's epoch takes about as long).
     # Data-parallel replicas each count their own rows; pipeline stages of one replica count
     # them once (only the last stage reports).
-    return total_loss / max(total_rows, 1), total_rows, elapsed
+    split = step_metrics(step_totals)
+    return total_loss / max(total_rows, 1), total_rows, elapsed, split
 
 
 @torch.no_grad()
@@ -236,8 +255,9 @@ def _train_epochs(strategy, model, optimizer, cfg, start_epoch, rank, epoch_logg
     """From `start_epoch` on: train, evaluate, log (rank 0), checkpoint and report each epoch."""
     train_shard = ray.train.get_dataset_shard("train")
     validation_shard = ray.train.get_dataset_shard("validation")
+    split_history: list[dict[str, float]] = []
     for epoch in range(start_epoch, cfg.training.epochs):
-        train_loss, rows, elapsed = _train_epoch(
+        train_loss, rows, elapsed, split = _train_epoch(
             strategy, model, optimizer, train_shard, cfg, epoch, rank
         )
         stats = strategy.epoch_stats()
@@ -250,10 +270,14 @@ def _train_epochs(strategy, model, optimizer, cfg, start_epoch, rank, epoch_logg
             "train_samples_per_s": rows / elapsed if elapsed > 0 else 0.0,
             "epoch_time_s": elapsed,
             "peak_rss_mb": peak_rss_mb(),
+            **split,
             **stats,
         }
         if epoch_logger is not None:
             epoch_logger.log(metrics, step=epoch)
+            split_history.append(metrics)
+            epoch_logger.log_step_split(split_history)
+            epoch_logger.log_tables(getattr(strategy, "run_tables", {}))
         with tempfile.TemporaryDirectory() as directory:
             if strategy.saves_checkpoint:
                 save_checkpoint(

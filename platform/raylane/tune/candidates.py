@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raylane.config import ConfigError, RaylaneConfig, load_config
+from raylane.config.layout import PIPELINED
 from raylane.config.loader import with_absolute_paths
 from raylane.tune.spec import TuneSpec
 
@@ -73,7 +74,7 @@ def _yaml_value(value: Any) -> str:
 
 
 def _layouts(strategy: str, workers: int, pps: list[int]) -> list[tuple[int, int]]:
-    if strategy == "ddp":
+    if strategy not in PIPELINED:
         return [(workers, 1)]
     return [(workers // pp, pp) for pp in pps if workers % pp == 0] or [(workers, 1)]
 
@@ -86,7 +87,7 @@ def enumerate_candidates(spec: TuneSpec) -> tuple[list[Candidate], list[Pruned]]
     seen: set[str] = set()
     extra_keys = list(space.extra)
     for strategy, workers in itertools.product(space.strategy, space.workers):
-        pipelined = strategy != "ddp"
+        pipelined = strategy in PIPELINED
         for (dp, pp), micro, batch, compression, ac, *extra in itertools.product(
             _layouts(strategy, workers, space.pp),
             space.microbatches if pipelined else [1],

@@ -17,7 +17,16 @@ from raylane.tune.spec import TuneSpec
 
 COLUMNS = ["rank", "layout", "strategy", "workers", "dp", "pp", "microbatches", "batch_size",
            "grad_compression", "activation_checkpointing", "samples_per_s", "peak_rss_mb",
-           "train_loss", "epochs", "status", "detail"]  # fmt: skip
+           "train_loss", "step_ms", "compute_ms", "comm_ms", "bubble_ms", "data_wait_ms",
+           "comm_bytes_per_step", "epochs", "status", "detail"]  # fmt: skip
+# The step-time split and bytes sent, from each trial's last epoch (raylane.train.step_times).
+SPLIT = {"step_ms": "step_ms", "compute_ms": "step_compute_ms", "comm_ms": "step_comm_ms",
+         "bubble_ms": "step_bubble_ms", "data_wait_ms": "step_data_wait_ms",
+         "comm_bytes_per_step": "comm_bytes_per_step"}  # fmt: skip
+
+
+def _rounded(value: float | None, digits: int = 2) -> float | None:
+    return None if value is None else round(value, digits)
 
 
 def _row(rank: int | str, trial: TrialOutcome) -> dict:
@@ -36,6 +45,7 @@ def _row(rank: int | str, trial: TrialOutcome) -> dict:
         "samples_per_s": None if trial.samples_per_s is None else round(trial.samples_per_s, 1),
         "peak_rss_mb": None if trial.peak_rss_mb is None else round(trial.peak_rss_mb),
         "train_loss": trial.metrics.get("train_loss"),
+        **{column: _rounded(trial.metrics.get(key)) for column, key in SPLIT.items()},
         "epochs": trial.epochs,
         "status": trial.status,
         "detail": trial.detail,
@@ -55,7 +65,9 @@ def print_table(outcome: SearchOutcome, console: Console) -> None:
     every row)."""
     table = Table(title=f"parallelism search: {len(outcome.trials)} trials in "
                         f"{outcome.wall_s:.0f} s, {len(outcome.pruned)} pruned")  # fmt: skip
-    for name in ("rank", "layout", "samples/s", "peak MB", "train_loss", "status"):
+    names = ("rank", "layout", "samples/s", "peak MB", "train_loss", "compute ms", "comm ms",
+             "bubble ms", "status")  # fmt: skip
+    for name in names:
         left = name in ("layout", "status")
         table.add_column(name, justify="left" if left else "right", no_wrap=name == "layout")
     for rank, trial in enumerate(outcome.ranked, start=1):
@@ -66,6 +78,7 @@ def print_table(outcome: SearchOutcome, console: Console) -> None:
             "" if trial.samples_per_s is None else f"{trial.samples_per_s:.1f}",
             "" if trial.peak_rss_mb is None else f"{trial.peak_rss_mb:.0f}",
             "" if loss is None else f"{loss:.4f}",
+            *(_ms(trial.metrics.get(f"step_{part}_ms")) for part in ("compute", "comm", "bubble")),
             trial.status + (f": {trial.detail}" if trial.detail else ""),
         )
     console.print(table)
@@ -74,6 +87,10 @@ def print_table(outcome: SearchOutcome, console: Console) -> None:
         by_reason[item.reason].append(item.candidate.key)
     for reason, keys in by_reason.items():
         console.print(f"pruned {len(keys)} ({reason}): {', '.join(keys)}", highlight=False)
+
+
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value:.1f}"
 
 
 def write_csv(outcome: SearchOutcome, path: Path) -> Path:

@@ -12,10 +12,11 @@ from raylane.config.schema import StrictModel
 
 
 class SearchSpace(StrictModel):
-    strategy: list[Literal["ddp", "pipeline", "hybrid"]] = Field(
+    strategy: list[Literal["ddp", "pipeline", "hybrid", "local_sgd", "async", "ssp"]] = Field(
         default_factory=lambda: ["ddp", "pipeline", "hybrid"],
         min_length=1,
-        description="Strategies to try.",
+        description="Strategies to try (the relaxed-consistency ones trade convergence for "
+        "throughput: keep constraints.require_falling_loss on).",
     )
     workers: list[int] = Field(
         default_factory=lambda: [1, 2, 4], min_length=1, description="World sizes to try."
@@ -29,7 +30,7 @@ class SearchSpace(StrictModel):
     batch_size: list[int] = Field(
         default_factory=lambda: [32], min_length=1, description="Rows per step per replica."
     )
-    grad_compression: list[Literal["none", "fp16", "bf16", "powersgd"]] = Field(
+    grad_compression: list[Literal["none", "fp16", "bf16", "powersgd", "topk"]] = Field(
         default_factory=lambda: ["none"], min_length=1, description="DDP gradient compression."
     )
     activation_checkpointing: list[bool] = Field(

@@ -1,0 +1,103 @@
+"""Local SGD: every worker steps on its own gradients; parameters are averaged every H steps.
+
+Between averages the replicas drift apart (that is the relaxed consistency); every
+`local_sgd_period` steps torch's `PeriodicModelAverager` all-reduces the parameters, so the
+bytes on the wire per step are the model's size / H instead of DDP's every step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+
+from raylane.config import RaylaneConfig
+from raylane.parallel.base import LossFn
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+class LocalSGD:
+    name = "local_sgd"
+    splits_dataset = True
+    data_rank, data_world = 0, 1
+    reports_loss = True
+    checkpoint_part = 0
+
+    def __init__(self, cfg: RaylaneConfig, rank: int):
+        self.saves_checkpoint = rank == 0
+        self.period = cfg.parallelism.local_sgd_period
+        self.last_step_parts: dict[str, float] = {}
+        self.sent_bytes = self.dense_bytes = self.steps = 0
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        from ray.train.torch import get_device
+
+        self.device = get_device()
+        model = model.to(self.device)
+        if _distributed():  # one starting point for every replica
+            for tensor in model.state_dict().values():
+                dist.broadcast(tensor, src=0)
+        self.averager = PeriodicModelAverager(period=self.period, warmup_steps=0)
+        self.model = model
+        return model
+
+    def unwrap_model(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def train_step(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+    ) -> torch.Tensor:
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(inputs.to(self.device)), targets.to(self.device))
+        loss.backward()
+        optimizer.step()
+        computed = time.perf_counter()
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        if _distributed():
+            averages = self.averager.step % self.period == 0
+            self.averager.average_parameters(model.parameters())
+            self.sent_bytes += model_bytes if averages else 0
+        self.dense_bytes += model_bytes
+        self.steps += 1
+        self.last_step_parts = {
+            "compute": computed - started,
+            "comm": time.perf_counter() - computed,
+        }
+        return loss.detach()
+
+    def forward(
+        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
+        return model(inputs.to(self.device)).cpu()
+
+    def epoch_stats(self) -> dict[str, float]:
+        """Bytes sent per step against DDP's fp32 all-reduce of every gradient, every step.
+
+        Replicas are averaged at the end of each epoch (collective), so evaluation and the
+        checkpoint see one model."""
+        if _distributed():
+            for param in self.model.parameters():
+                dist.all_reduce(param.data)
+                param.data /= dist.get_world_size()
+                self.sent_bytes += param.numel() * param.element_size()
+        stats = {}
+        if self.dense_bytes and _distributed():
+            steps = max(self.steps, 1)
+            stats = {
+                "comm_bytes_per_step": self.sent_bytes / steps,
+                "comm_bytes_ratio": self.sent_bytes / self.dense_bytes,
+            }
+        self.sent_bytes = self.dense_bytes = self.steps = 0
+        return stats
