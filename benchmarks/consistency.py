@@ -9,13 +9,14 @@ on fractional CPUs, the same epoch budget for every setup, one torch thread per 
   (b) consistency models: sync (DDP all-reduce), async (parameter server on Ray actors),
       ssp (staleness 2), local_sgd (H = 4), without and with a straggler (the workers take
       turns sleeping `--delay` s every `--every` steps): training time to `--target`
-      validation accuracy (epoch granularity) and the final accuracy.
+      validation accuracy (epoch granularity, after the first epoch, which also pays one-time
+      start-up) and the final accuracy.
 
 Every run's step-time split is checked: `split_sum_error` is the worst |sum of the measured
 parts - step| / step over all epochs of all runs. Prints a table, writes the convergence plot
 (accuracy against training time per mode) to `--plot`, and ends with one JSON line.
 
-    python benchmarks/consistency.py [--epochs 6] [--target 0.9] [--delay 0.03]
+    python benchmarks/consistency.py [--epochs 8] [--target 0.94] [--delay 0.1]
 """
 
 from __future__ import annotations
@@ -66,9 +67,11 @@ def train(cfg, name: str) -> list[dict]:
 
 
 def time_to(history: list[dict], target: float) -> float | None:
-    """Training seconds (sum of epoch times) until validation accuracy first reaches target."""
+    """Training seconds after the first epoch (which also pays the one-time start of Ray
+    Data's pipeline and of any parameter server) until the validation accuracy at the end of
+    a later epoch first reaches `target`."""
     elapsed = 0.0
-    for epoch in history:
+    for epoch in history[1:]:
         elapsed += epoch["epoch_time_s"]
         if epoch["val_accuracy"] >= target:
             return elapsed
@@ -92,11 +95,15 @@ def plot(curves: dict[str, list[dict]], path: Path) -> None:
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for label, history in curves.items():
         elapsed, times = 0.0, []
-        for epoch in history:
+        for epoch in history[1:]:
             elapsed += epoch["epoch_time_s"]
             times.append(elapsed)
-        axis.plot(times, [e["val_accuracy"] for e in history], marker="o", label=label)
-    axis.set(xlabel="training time (s)", ylabel="validation accuracy", title="convergence")
+        axis.plot(times, [e["val_accuracy"] for e in history[1:]], marker="o", label=label)
+    axis.set(
+        xlabel="training time after the first epoch (s)",
+        ylabel="validation accuracy",
+        title="convergence",
+    )
     axis.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -104,11 +111,11 @@ def plot(curves: dict[str, list[dict]], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--hidden", default="[256,256]")
-    parser.add_argument("--target", type=float, default=0.9)
+    parser.add_argument("--target", type=float, default=0.94)
     parser.add_argument("--every", type=int, default=4, help="straggler: steps between sleeps")
-    parser.add_argument("--delay", type=float, default=0.03, help="straggler: seconds per sleep")
+    parser.add_argument("--delay", type=float, default=0.1, help="straggler: seconds per sleep")
     parser.add_argument("--plot", type=Path, default=Path("consistency.png"))
     args = parser.parse_args()
 
@@ -149,8 +156,8 @@ def main() -> None:
         )
 
     print(f"\n(b) consistency, time to val accuracy {args.target}")
-    header = f"{'mode':<24} {'to target s':>11} {'final acc':>9} {'step ms':>8} {'comm ms':>8}"
-    print(header + f" {'staleness':>9}")
+    header = f"{'mode':<22} {'to target s':>11} {'final acc':>9} {'step ms':>8} {'data':>6}"
+    print(header + f" {'compute':>8} {'comm':>6} {'straggler':>9} {'staleness':>9}")
     reached = {}
     for mode in MODES:
         for label in (mode, f"{mode} + straggler"):
@@ -159,8 +166,10 @@ def main() -> None:
             shown = "-" if reached[label] is None else f"{reached[label]:.2f}"
             last = history[-1]
             print(
-                f"{label:<24} {shown:>11} {last['val_accuracy']:>9.3f} {last['step_ms']:>8.2f} "
-                f"{last['step_comm_ms']:>8.2f} {last.get('staleness_mean', 0.0):>9.2f}"
+                f"{label:<22} {shown:>11} {last['val_accuracy']:>9.3f} {last['step_ms']:>8.2f} "
+                f"{last['step_data_wait_ms']:>6.2f} {last['step_compute_ms']:>8.2f} "
+                f"{last['step_comm_ms']:>6.2f} {last['step_straggler_ms']:>9.2f} "
+                f"{last.get('staleness_mean', 0.0):>9.2f}"
             )
     plot({k: v for k, v in runs.items() if not k.startswith("ddp/")}, args.plot)
     print(f"convergence plot: {args.plot}")

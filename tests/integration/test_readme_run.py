@@ -45,6 +45,7 @@ def block(command: str) -> Block:
 
 COMMAND_LINE = block("raylane prepare")
 PIPELINES = block("raylane train --config configs/train/lm_pipeline.yaml")
+CONSISTENCY = block("raylane train --config configs/train/digits_ddp.yaml --set parallelism")
 TUNE = block("raylane tune")
 MLFLOW_UI = block(".venv/bin/mlflow ui")
 REPRODUCE = block("raylane reproduce <run-id>")
@@ -142,6 +143,23 @@ def test_pipeline_block(readme):
     assert client.get_run(hybrid).data.metrics["val_loss"] < math.log(256)
     layout = Path(client.download_artifacts(hybrid, "parallel/stage_layout.txt")).read_text()
     assert "(x2 replicas)" in layout
+
+
+def test_consistency_block(readme):
+    copy, env, _ = readme
+    run = _ok(run_block(CONSISTENCY, copy, env, timeout_s=600), CONSISTENCY.where)
+    output = run.commands[0].output
+    assert "epoch 2/2" in output, output
+    run_id = re.search(r"MLflow run ([0-9a-f]{32})", output).group(1)
+    client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
+    metrics = client.get_run(run_id).data.metrics
+    assert client.get_run(run_id).data.params["parallelism.strategy"] == "ssp"
+    # The stragglers slept, updates were stale, yet no more than ssp allows (2 workers, s=2).
+    assert metrics["step_straggler_ms"] > 0 and metrics["step_split_error"] < 0.2, metrics
+    assert 0 < metrics["staleness_max"] <= 5, metrics
+    assert metrics["val_accuracy"] > 0.5, metrics  # chance is 0.1
+    artifacts = {a.path for a in client.list_artifacts(run_id)}
+    assert {"staleness_histogram.json", "step_time_split.png"} <= artifacts, artifacts
 
 
 def test_tune_block(readme):

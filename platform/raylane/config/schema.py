@@ -113,8 +113,11 @@ class ModelConfig(StrictModel):
 class TrainingConfig(StrictModel):
     epochs: int = Field(10, ge=1, description="Passes over the training data.")
     batch_size: int = Field(64, ge=1, description="Rows per step on each worker.")
-    lr: float = Field(2e-3, gt=0.0, description="Learning rate of the AdamW optimizer.")
-    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    optimizer: Literal["adamw", "sgd"] = Field(
+        "adamw", description="Optimizer: 'adamw', or plain 'sgd' (no momentum)."
+    )
+    lr: float = Field(2e-3, gt=0.0, description="Learning rate of the optimizer.")
+    weight_decay: float = Field(0.0, ge=0.0, description="Weight decay of the optimizer.")
     seed: int = Field(0, description="Seed for weights, shuffling and everything random.")
     storage_path: Path = Field(
         Path("runs"), description="Where Ray Train keeps run state and checkpoints."

@@ -4,9 +4,9 @@ Each worker computes gradients on its own batches, pushes them to the parameter 
 (`raylane.parallel.param_server`) and continues from the parameters they send back, without
 waiting for the other workers ('async'); under 'ssp' it also waits whenever it is more than
 `parallelism.staleness` steps ahead of the slowest. The shards apply the configured optimizer
-(AdamW); the workers' own optimizers are unused. At the end of each epoch every worker reads
-the shards, so evaluation and checkpoints see one model. The server's optimizer state is not
-in the checkpoint: a resumed run restarts its moments.
+(`training.optimizer`); the workers' own optimizers are unused. At the end of each epoch every
+worker reads the shards, so evaluation and checkpoints see one model. The server's optimizer
+state is not in the checkpoint: a resumed run restarts its moments.
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ class ParameterServerTraining:
         self.bound = par.staleness if par.strategy == "ssp" else None
         self.shard_count = par.ps_shards
         self.lr, self.weight_decay = cfg.training.lr, cfg.training.weight_decay
+        self.optimizer_kind = cfg.training.optimizer
         self.staleness_lr = par.staleness_lr
         self.shards: list = []
         self.clock = None
         self.last_step_parts: dict[str, float] = {}
         self.sent_bytes = self.dense_bytes = self.steps = 0
         self.blocked_s = 0.0
-        self._paused = False
         self.run_tables: dict[str, dict] = {}
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
@@ -82,6 +82,7 @@ class ParameterServerTraining:
                     self.lr,
                     self.weight_decay,
                     self.staleness_lr,
+                    self.optimizer_kind,
                 )
                 for index, indices in enumerate(owned)
             ]
@@ -122,9 +123,6 @@ class ParameterServerTraining:
         connect_started = time.perf_counter()
         if not self.shards:
             self._start_servers()  # once per run; counted as this step's communication
-        if self._paused and self.clock is not None:
-            ray.get(self.clock.resume.remote(self.rank))
-        self._paused = False
         started = time.perf_counter()
         connecting = started - connect_started
         for param in self.params:
@@ -159,16 +157,20 @@ class ParameterServerTraining:
         return model(inputs.to(self.device)).cpu()
 
     def steps_done(self) -> None:
-        """This worker's steps of the epoch are over: under 'ssp', nobody waits for it."""
+        """This worker's steps of the epoch are over: under 'ssp', nobody waits for it until
+        every worker is back in step (`epoch_stats`)."""
         if self.clock is not None:
             ray.get(self.clock.pause.remote(self.rank))
-            self._paused = True
 
     def epoch_stats(self) -> dict[str, float]:
         """Every worker reads the final parameters (collective); rank 0 the staleness of
         every update so far. Bytes: gradients pushed (parameters come back the same size)."""
+        if self.clock is not None:
+            ray.get(self.clock.resume.remote(self.rank))
         if _world() > 1:
-            dist.barrier()  # every push of the epoch applied
+            # Every push of the epoch applied, and every worker's clock counts again before
+            # any starts the next epoch.
+            dist.barrier()
         if not self.shards:
             return {}
         for shard, (values, version) in enumerate(ray.get([s.read.remote() for s in self.shards])):

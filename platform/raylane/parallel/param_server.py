@@ -1,4 +1,5 @@
-"""A parameter server on Ray actors: shards of the parameters, each with its own optimizer.
+"""A parameter server on Ray actors: shards of the parameters, each with the configured
+optimizer over them.
 
 Workers push gradients and get the shard's current parameters back without waiting for each
 other (Ray Core's parameter-server pattern; Ray carries the tensors). Each update's staleness
@@ -21,11 +22,18 @@ class Shard:
     """Some of the model's parameters and the configured optimizer over them."""
 
     def __init__(
-        self, params: list[np.ndarray], lr: float, weight_decay: float, staleness_lr: bool
+        self,
+        params: list[np.ndarray],
+        lr: float,
+        weight_decay: float,
+        staleness_lr: bool,
+        optimizer: str = "adamw",
     ):
+        from raylane.train.optim import build_optimizer
+
         torch.set_num_threads(1)
         self.params = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in params]
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, weight_decay=weight_decay)
+        self.optimizer = build_optimizer(self.params, optimizer, lr, weight_decay)
         self.lr = lr
         self.staleness_lr = staleness_lr
         self.version = 0

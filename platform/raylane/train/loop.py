@@ -30,6 +30,7 @@ from raylane.parallel import get_strategy
 from raylane.parallel.activation_checkpoint import apply_activation_checkpointing
 from raylane.train.batches import iter_torch_batches
 from raylane.train.checkpointing import restore_checkpoint, save_checkpoint
+from raylane.train.optim import build_optimizer
 from raylane.train.step_times import StepTimes, step_metrics
 from raylane.train.straggler import Straggler
 
@@ -201,8 +202,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     if cfg.training.activation_checkpointing:
         model = apply_activation_checkpointing(model)
     model = strategy.wrap_model(model)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.training.lr, weight_decay=cfg.training.weight_decay
+    training = cfg.training
+    optimizer = build_optimizer(
+        model.parameters(), training.optimizer, training.lr, training.weight_decay
     )
 
     start_epoch = 0
