@@ -152,6 +152,10 @@ def run_commands(
     return BlockRun(0, done)
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Background:
     """A block whose command keeps running (a server): started, waited for, stopped by Ctrl-C."""
 
@@ -165,6 +169,9 @@ class Background:
             stdout=self._handle,
             stderr=subprocess.STDOUT,
             start_new_session=True,  # its own process group: Ctrl-C reaches all of it
+            # As in a terminal: Ctrl-C interrupts even when the suite itself was started in
+            # the background (a shell then ignores SIGINT, and children inherit that).
+            preexec_fn=_default_sigint,
         )
 
     def wait_until_ready(self, url: str, timeout_s: float) -> None:
@@ -194,5 +201,6 @@ class Background:
         return self.process.returncode
 
     def output(self) -> str:
-        self._handle.flush()
+        if not self._handle.closed:
+            self._handle.flush()
         return self.log.read_text()
