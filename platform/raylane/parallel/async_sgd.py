@@ -22,14 +22,10 @@ import torch.distributed as dist
 from torch import nn
 
 from raylane.config import RaylaneConfig
-from raylane.parallel.base import LossFn
+from raylane.parallel.base import LossFn, world_size
 from raylane.parallel.param_server import ParameterShard, StalenessClock, assign_shards
 
 NAMESPACE = "raylane-param-server"
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class ParameterServerTraining:
@@ -89,13 +85,13 @@ class ParameterServerTraining:
             if self.bound is not None:
                 actors.append(
                     StalenessClock.options(name=f"raylane-ssp-{run}", namespace=NAMESPACE).remote(
-                        _world(), self.bound
+                        world_size(), self.bound
                     )
                 )
             ray.get([actor.__ray_ready__.remote() for actor in actors])
             self._actors = actors  # the actors live as long as their creator holds them
             names = [(run, owned)]
-        if _world() > 1:
+        if world_size() > 1:
             dist.broadcast_object_list(names, src=0)
         run, self.owned = names[0]
         self.shards = [
@@ -167,7 +163,7 @@ class ParameterServerTraining:
         every update so far. Bytes: gradients pushed (parameters come back the same size)."""
         if self.clock is not None:
             ray.get(self.clock.resume.remote(self.rank))
-        if _world() > 1:
+        if world_size() > 1:
             # Every push of the epoch applied, and every worker's clock counts again before
             # any starts the next epoch.
             dist.barrier()

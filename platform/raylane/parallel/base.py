@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -65,3 +66,8 @@ class ParallelStrategy(Protocol):
     def epoch_stats(self) -> dict[str, float]:
         """Strategy-specific measurements of the last epoch (collective: every rank calls)."""
         ...
+
+
+def world_size() -> int:
+    """Workers in the process group (1 when there is none)."""
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

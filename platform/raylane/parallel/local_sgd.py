@@ -12,14 +12,15 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.model_averaging import utils as averaging
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 from raylane.config import RaylaneConfig
-from raylane.parallel.base import LossFn
+from raylane.parallel.base import LossFn, world_size
 
 
 def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return world_size() > 1
 
 
 class LocalSGD:
@@ -88,10 +89,8 @@ class LocalSGD:
         Replicas are averaged at the end of each epoch (collective), so evaluation and the
         checkpoint see one model."""
         if _distributed():
-            for param in self.model.parameters():
-                dist.all_reduce(param.data)
-                param.data /= dist.get_world_size()
-                self.sent_bytes += param.numel() * param.element_size()
+            averaging.average_parameters(self.model.parameters(), None)
+            self.sent_bytes += sum(p.numel() * p.element_size() for p in self.model.parameters())
         stats = {}
         if self.dense_bytes and _distributed():
             steps = max(self.steps, 1)
