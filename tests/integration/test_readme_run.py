@@ -45,6 +45,7 @@ def block(command: str) -> Block:
 
 COMMAND_LINE = block("raylane prepare")
 PIPELINES = block("raylane train --config configs/train/lm_pipeline.yaml")
+SHARDED = block("raylane train --config configs/train/lm_tp.yaml")
 CONSISTENCY = block("raylane train --config configs/train/digits_ddp.yaml --set parallelism")
 TUNE = block("raylane tune")
 MLFLOW_UI = block(".venv/bin/mlflow ui")
@@ -143,6 +144,23 @@ def test_pipeline_block(readme):
     assert client.get_run(hybrid).data.metrics["val_loss"] < math.log(256)
     layout = Path(client.download_artifacts(hybrid, "parallel/stage_layout.txt")).read_text()
     assert "(x2 replicas)" in layout
+
+
+def test_sharded_block(readme):
+    copy, env, _ = readme
+    run = _ok(run_block(SHARDED, copy, env, timeout_s=900), SHARDED.where)
+    client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
+    for command, experiment, workers in zip(
+        run.commands, ("lm-tp", "lm-fsdp", "lm-fsdp"), (2, 2, 4), strict=True
+    ):
+        run_id = re.search(r"MLflow run ([0-9a-f]{32})", command.output).group(1)
+        found = client.get_run(run_id)
+        assert found.info.experiment_id == client.get_experiment_by_name(experiment).experiment_id
+        assert found.data.params["parallelism.workers"] == str(workers)
+        assert found.data.metrics["val_loss"] < math.log(256)  # better than a uniform guess
+        assert found.data.metrics["worker_param_mb"] > 0
+        checkpoint = re.search(r"checkpoint\s+(\S+epoch_\d{4})", command.output).group(1)
+        assert (Path(checkpoint) / "sharded" / ".metadata").is_file(), checkpoint
 
 
 def test_consistency_block(readme):
@@ -274,17 +292,26 @@ def test_job_submit_block(readme):
     client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
     experiment = client.get_experiment_by_name("digits-ddp").experiment_id
     before = {r.info.run_id for r in client.search_runs([experiment])}
+    lm_experiment = client.get_experiment_by_name("lm-fsdp").experiment_id  # the block above
+    lm_before = {r.info.run_id for r in client.search_runs([lm_experiment])}
     try:
         run = run_block(JOBS, copy, env, timeout_s=900)
     finally:
         _ray_stop(copy, env)
     _ok(run, JOBS.where)
     submits = [c for c in run.commands if c.text.startswith("ray job submit")]
-    assert len(submits) == 2
+    assert len(submits) == 4
     assert all("succeeded" in c.output for c in submits), [c.output[-2000:] for c in submits]
-    # The job's run landed in the store the README points it at ($PWD/mlflow.db), with the
-    # commit it was submitted from and the code its workers ran: the uploaded copy.
-    (new,) = [r for r in client.search_runs([experiment]) if r.info.run_id not in before]
+    # The jobs' runs landed in the store the README points them at ($PWD/mlflow.db), with the
+    # commit they were submitted from and the code their workers ran: the uploaded copy.
+    runs = [r for r in client.search_runs([experiment]) if r.info.run_id not in before]
+    by_strategy = {r.data.params["parallelism.strategy"]: r for r in runs}
+    assert sorted(by_strategy) == ["ddp", "ssp"], by_strategy
+    ssp = by_strategy["ssp"]
+    assert ssp.info.status == "FINISHED" and ssp.data.metrics["staleness_max"] <= 2 * 2 + 1
+    (lm,) = [r for r in client.search_runs([lm_experiment]) if r.info.run_id not in lm_before]
+    assert lm.info.status == "FINISHED" and lm.data.params["parallelism.strategy"] == "fsdp"
+    new = by_strategy["ddp"]
     assert new.info.status == "FINISHED" and new.data.metrics["val_accuracy"] > 0.5
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=copy, capture_output=True, text=True)
     assert new.data.tags["mlflow.source.git.commit"] == head.stdout.strip() != ""

@@ -194,6 +194,50 @@ def test_impossible_pipeline_layouts_are_refused_with_a_sentence(overrides, expe
     assert "\n" not in str(info.value)
 
 
+LM_TP = ROOT / "configs" / "train" / "lm_tp.yaml"
+LM_FSDP = ROOT / "configs" / "train" / "lm_fsdp.yaml"
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides", "expected"),
+    [
+        (LM_TP, ["model.n_heads=8", "parallelism.tp=3", "parallelism.workers=3"],
+         "model.n_heads (8) is not divisible by parallelism.tp (3)"),
+        (LM_TP, ["parallelism.workers=3"], "workers (3) is not divisible by tp (2)"),
+        (LM_TP, ["parallelism.dp=3", "parallelism.workers=4"],
+         "dp * tp = 3 * 2 = 6 but workers is 4"),
+        (LM_TP, ["parallelism.tp=1"], "strategy 'tp' needs tp >= 2"),
+        (LM_TP, ["parallelism.pp=2"], "strategy 'tp' has no pipeline stages; pp must be 1"),
+        (LM_FSDP, ["parallelism.tp=2", "parallelism.workers=3"],
+         "workers (3) is not divisible by tp (2)"),
+        (LM_PIPELINE, ["parallelism.tp=2"], "parallelism.tp 2 needs strategy 'tp' or 'fsdp'"),
+        (LM_FSDP, ["parallelism.tp=2", "model.kind=mlp", "data.source=sklearn-digits",
+                   "model.num_classes=10"], "model.kind must be 'gpt', not 'mlp'"),
+    ],
+)  # fmt: skip
+def test_impossible_sharded_layouts_are_refused_with_a_sentence(config, overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        load_config(config, overrides)
+    assert expected in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_sharded_layouts_are_described_and_count_their_replicas():
+    from raylane.config.layout import describe_stages, replicas
+
+    fsdp_2d = load_config(LM_FSDP, ["parallelism.workers=8", "parallelism.tp=2"])
+    assert replicas(fsdp_2d) == 4
+    assert describe_stages(fsdp_2d) == [
+        "each block's heads and MLP split over 2 workers (2 heads each); parameters, "
+        "gradients and optimizer state sharded over 4 workers"
+    ]
+    tp = load_config(LM_TP, ["parallelism.workers=4"])
+    assert replicas(tp) == 2
+    assert describe_stages(tp) == [
+        "each block's heads and MLP split over 2 workers (2 heads each); 2 data-parallel replicas"
+    ]
+
+
 def test_uneven_split_points_are_accepted_and_described():
     from raylane.config.layout import describe_stages, stage_boundaries
 

@@ -126,3 +126,27 @@ def test_trial_configs_carry_absolute_paths_whatever_the_trials_directory(monkey
     assert cfg.data.validation_path.is_absolute() and cfg.training.storage_path.is_absolute()
     winner = trial_config(spec, valid[0], for_trial=False)
     assert not winner.data.train_path.is_absolute()  # the emitted config stays portable
+
+
+def test_tensor_parallel_and_fsdp_layouts_are_searched_and_impossible_ones_named():
+    spec = _spec(strategy=["tp", "fsdp"], workers=[1, 2, 4], tp=[2, 4], cpus=4.0,
+                 cpus_per_worker=0.25)  # fmt: skip
+    valid, pruned = enumerate_candidates(spec)
+    found = sorted(
+        (c.overrides["parallelism.strategy"], c.overrides["parallelism.dp"],
+         c.overrides["parallelism.tp"]) for c in valid
+    )  # fmt: skip
+    assert found == [
+        ("fsdp", 1, 1),  # one worker: nothing to shard, still a valid run
+        ("fsdp", 1, 2),
+        ("fsdp", 1, 4),
+        ("fsdp", 2, 1),
+        ("fsdp", 2, 2),
+        ("fsdp", 4, 1),
+        ("tp", 1, 2),
+        ("tp", 1, 4),
+        ("tp", 2, 2),
+    ]
+    reasons = {c.key: r for c, r in ((p.candidate, p.reason) for p in pruned)}
+    assert any("workers (1) is not divisible by tp (2)" in r for r in reasons.values())
+    assert "tp-w4-dp2xpp1-tp2-m1-b32" in {c.key for c in valid}

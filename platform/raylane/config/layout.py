@@ -13,6 +13,23 @@ if TYPE_CHECKING:
 
 PIPELINED = ("pipeline", "hybrid")
 DATA_PARALLEL = ("ddp", "local_sgd", "async", "ssp")
+SHARDED = ("tp", "fsdp")
+
+
+def sharded_dp(cfg: RaylaneConfig) -> int:
+    """The data-parallel degree of a tp/fsdp layout: `dp`, or workers / tp when dp is 1."""
+    par = cfg.parallelism
+    return par.workers // par.tp if par.dp == 1 else par.dp
+
+
+def replicas(cfg: RaylaneConfig) -> int:
+    """How many data-parallel replicas (workers reading different batches) a layout has."""
+    par = cfg.parallelism
+    if par.strategy in SHARDED:
+        return sharded_dp(cfg)
+    if par.strategy in PIPELINED:
+        return par.dp
+    return par.workers
 
 
 def stage_boundaries(n_layers: int, pp: int, split_points: list[int] | None) -> list[int]:
@@ -28,6 +45,8 @@ def describe_stages(cfg: RaylaneConfig) -> list[str]:
 
     A single line for unpipelined strategies."""
     par, n_layers = cfg.parallelism, cfg.model.n_layers
+    if par.strategy in SHARDED:
+        return [_describe_sharded(cfg)]
     if par.pp == 1:
         return [f"every worker: the whole model ({par.workers} data-parallel replicas)"]
     bounds = stage_boundaries(n_layers, par.pp, par.split_points)
@@ -39,6 +58,49 @@ def describe_stages(cfg: RaylaneConfig) -> list[str]:
             parts.append("norm + head")
         lines.append(f"stage {stage}: {', '.join(parts)} (x{par.dp} replicas)")
     return lines
+
+
+def _describe_sharded(cfg: RaylaneConfig) -> str:
+    par, dp = cfg.parallelism, sharded_dp(cfg)
+    parts = []
+    if par.tp > 1:
+        parts.append(
+            f"each block's heads and MLP split over {par.tp} workers "
+            f"({cfg.model.n_heads // par.tp} heads each)"
+        )
+    if par.strategy == "fsdp":
+        parts.append(f"parameters, gradients and optimizer state sharded over {dp} workers")
+    else:
+        parts.append(f"{dp} data-parallel replicas")
+    return "; ".join(parts)
+
+
+def _check_sharded(cfg: RaylaneConfig) -> None:
+    par = cfg.parallelism
+    if par.pp != 1:
+        raise ValueError(
+            f"parallelism: strategy '{par.strategy}' has no pipeline stages; pp must be 1 "
+            f"(got {par.pp})"
+        )
+    if par.tp > 1 and cfg.model.kind != "gpt":
+        raise ValueError(
+            f"parallelism.tp {par.tp} splits transformer blocks; model.kind must be 'gpt', not "
+            f"'{cfg.model.kind}'"
+        )
+    if par.strategy == "tp" and par.tp < 2:
+        raise ValueError(f"parallelism: strategy 'tp' needs tp >= 2 (got {par.tp})")
+    if par.workers % par.tp:
+        raise ValueError(f"parallelism: workers ({par.workers}) is not divisible by tp ({par.tp})")
+    if par.dp * par.tp != par.workers and par.dp != 1:
+        raise ValueError(
+            f"parallelism: dp * tp = {par.dp} * {par.tp} = {par.dp * par.tp} but workers is "
+            f"{par.workers}"
+        )
+    if cfg.model.kind == "gpt" and cfg.model.n_heads % par.tp:
+        raise ValueError(
+            f"model.n_heads ({cfg.model.n_heads}) is not divisible by parallelism.tp "
+            f"({par.tp}): each tensor-parallel worker holds whole attention heads"
+        )
 
 
 def check_layout(cfg: RaylaneConfig) -> None:
@@ -63,6 +125,13 @@ def check_layout(cfg: RaylaneConfig) -> None:
             f"parallelism.straggler.rank {max(par.straggler.ranks)} names no worker; "
             f"ranks are 0-{par.workers - 1}"
         )
+    if par.tp > 1 and par.strategy not in SHARDED:
+        raise ValueError(
+            f"parallelism.tp {par.tp} needs strategy 'tp' or 'fsdp' (got '{par.strategy}')"
+        )
+    if par.strategy in SHARDED:
+        _check_sharded(cfg)
+        return
     if par.strategy in DATA_PARALLEL:
         if par.pp != 1 or par.dp not in (1, par.workers):
             raise ValueError(

@@ -175,21 +175,39 @@ class StragglerConfig(StrictModel):
         return self.rank if isinstance(self.rank, list) else [self.rank]
 
 
+Strategy = Literal["ddp", "pipeline", "hybrid", "tp", "fsdp", "local_sgd", "async", "ssp"]
+
+
 class ParallelismConfig(StrictModel):
-    strategy: Literal["ddp", "pipeline", "hybrid", "local_sgd", "async", "ssp"] = Field(
+    strategy: Strategy = Field(
         "ddp",
         description="How the model is parallelised. 'ddp': data parallel "
-        "(DistributedDataParallel, synchronous all-reduce); 'pipeline': the model's blocks split "
-        "into `pp` stages on different workers, micro-batched; 'hybrid': `dp` data-parallel "
-        "replicas of a `pp`-stage pipeline. Relaxed consistency, data parallel: 'local_sgd' "
-        "(parameters averaged every `local_sgd_period` steps), 'async' (a parameter server on "
-        "Ray actors, no waiting), 'ssp' (the same, at most `staleness` steps ahead).",
+        "(DistributedDataParallel, synchronous all-reduce); 'pipeline': the model's blocks "
+        "split into `pp` stages on different workers, micro-batched; 'hybrid': `dp` "
+        "data-parallel replicas of a `pp`-stage pipeline; 'tp': each block's attention heads "
+        "and MLP split over `tp` workers (tensor parallel), `dp` replicas of that; 'fsdp': "
+        "parameters, gradients and optimizer state sharded over the `dp` workers (FSDP2), each "
+        "block also tensor parallel when `tp` > 1. Relaxed consistency, data parallel: "
+        "'local_sgd' (parameters averaged every `local_sgd_period` steps), 'async' (a parameter "
+        "server on Ray actors, no waiting), 'ssp' (the same, at most `staleness` steps ahead).",
     )
     workers: int = Field(
-        2, ge=1, description="Ray Train workers (processes) in the job; dp * pp of them."
+        2,
+        ge=1,
+        description="Ray Train workers (processes) in the job: dp * pp (pipeline, hybrid), "
+        "dp * tp (tp, fsdp).",
     )
     pp: int = Field(1, ge=1, description="Pipeline stages (pipeline/hybrid).")
-    dp: int = Field(1, ge=1, description="Data-parallel degree: replicas of the pipeline (hybrid).")
+    dp: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel degree: replicas of the pipeline (hybrid) or of the "
+        "tensor-parallel model (tp), shards of the model (fsdp). For tp and fsdp, 1 means "
+        "workers / tp.",
+    )
+    tp: int = Field(
+        1, ge=1, description="Tensor-parallel degree: workers each block is split over (tp, fsdp)."
+    )
     microbatches: int = Field(
         1, ge=1, description="Micro-batches each batch is cut into for the pipeline schedule."
     )

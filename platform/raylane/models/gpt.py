@@ -13,19 +13,36 @@ from torch.nn import functional as F
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal attention with separate query, key and value projections, so that a
+    tensor-parallel plan can split them column-wise (heads across ranks) and `proj` row-wise.
+    The forward reads the number of heads from its inputs' width, which is what a rank holds.
+    """
+
     def __init__(self, d_model: int, n_heads: int):
         super().__init__()
-        self.n_heads = n_heads
-        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.head_dim = d_model // n_heads
+        self.q = nn.Linear(d_model, d_model)
+        self.k = nn.Linear(d_model, d_model)
+        self.v = nn.Linear(d_model, d_model)
         self.proj = nn.Linear(d_model, d_model)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
-        shape = (batch, length, self.n_heads, width // self.n_heads)
+        batch, length, _ = x.shape
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        width = q.shape[-1]  # this rank's heads x head_dim
+        shape = (batch, length, width // self.head_dim, self.head_dim)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(out.transpose(1, 2).reshape(batch, length, width))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Models saved before the projections were separate hold one fused `qkv`.
+        for kind in ("weight", "bias"):
+            fused = state_dict.pop(f"{prefix}qkv.{kind}", None)
+            if fused is not None:
+                for name, part in zip("qkv", fused.chunk(3, dim=0), strict=True):
+                    state_dict[f"{prefix}{name}.{kind}"] = part
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class Block(nn.Module):

@@ -132,18 +132,20 @@ class ParameterServerTraining:
             mine = [grads[i] for i in owned]
             self.sent_bytes += sum(g.nbytes for g in mine)
             pushes.append(self.shards[shard].push.remote(mine, self.versions[shard]))
-        for shard, (values, version) in enumerate(ray.get(pushes)):
+        # Under 'ssp' the clock is told in the same round trip as the pushes: the worker
+        # still cannot start its next step until it is within the bound.
+        advance = [self.clock.advance.remote(self.rank)] if self.clock is not None else []
+        replies = ray.get(pushes + advance)
+        waited = replies.pop() if advance else 0.0
+        for shard, (values, version) in enumerate(replies):
             self._load(shard, values, version)
         self.dense_bytes += sum(g.nbytes for g in grads)
         pushed = time.perf_counter()
-        if self.clock is not None:
-            ray.get(self.clock.advance.remote(self.rank))
-        waited = time.perf_counter() - pushed
         self.blocked_s += waited
         self.steps += 1
         self.last_step_parts = {
             "compute": computed - started,
-            "comm": connecting + pushed - computed + waited,
+            "comm": connecting + pushed - computed,
         }
         return loss.detach()
 

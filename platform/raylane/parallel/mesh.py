@@ -1,4 +1,5 @@
-"""The named device mesh of a pipelined job: `dp` replicas x `pp` stages."""
+"""Named device meshes: `dp` replicas x `pp` stages (pipelined jobs), `dp` x `tp` (tensor
+parallel and sharded jobs)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 class MeshDim(StrEnum):
     DP = "dp"
     PP = "pp"
+    TP = "tp"
 
 
 @dataclass(frozen=True)
@@ -43,3 +45,9 @@ def build_mesh(dp: int, pp: int, device_type: str) -> ParallelMesh:
         dp_rank=mesh.get_local_rank(MeshDim.DP.value),
         pp_rank=mesh.get_local_rank(MeshDim.PP.value),
     )
+
+
+def build_dp_tp_mesh(dp: int, tp: int, device_type: str) -> DeviceMesh:
+    """A (dp, tp) mesh: global rank = dp_rank * tp + tp_rank, so a tensor-parallel group is
+    neighbouring ranks (on one node when a node holds a multiple of tp workers)."""
+    return init_device_mesh(device_type, (dp, tp), mesh_dim_names=(MeshDim.DP, MeshDim.TP))

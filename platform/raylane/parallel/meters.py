@@ -1,4 +1,5 @@
-"""Measurements of one pipeline stage: compute time per step and activation memory held."""
+"""Measurements of a worker: a pipeline stage's compute time per step, the activation memory
+autograd holds, and the bytes of model state (parameters, gradients, optimizer state) it keeps."""
 
 from __future__ import annotations
 
@@ -55,6 +56,30 @@ class StageTimer:
             self._paused = False
 
 
+def local_bytes(tensor: torch.Tensor) -> int:
+    """Bytes this worker stores for a tensor (a DTensor's local shard only)."""
+    from raylane.parallel.collectives import local_tensor
+
+    local = local_tensor(tensor)
+    return local.numel() * local.element_size()
+
+
+def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Parameter, gradient and optimizer-state bytes held by this worker (its shards only)."""
+    params = list(model.parameters())
+    state = [
+        value
+        for per_param in optimizer.state.values()
+        for value in per_param.values()
+        if torch.is_tensor(value)
+    ]
+    return {
+        "param": sum(local_bytes(p) for p in params),
+        "grad": sum(local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer_state": sum(local_bytes(v) for v in state),
+    }
+
+
 class _Held:
     """A tensor saved for backward; counts its bytes as held until autograd releases it."""
 
@@ -63,7 +88,7 @@ class _Held:
     def __init__(self, tensor: torch.Tensor, meter: ActivationMeter):
         self.tensor = tensor
         self.meter = meter
-        self.nbytes = tensor.numel() * tensor.element_size()
+        self.nbytes = local_bytes(tensor)
         meter.add(self.nbytes)
 
     def __del__(self):

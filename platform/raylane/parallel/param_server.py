@@ -11,6 +11,7 @@ far a worker may run ahead of the slowest (stale-synchronous parallel).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 import numpy as np
@@ -73,11 +74,14 @@ class Clock:
         running = [c for r, c in enumerate(self.clocks) if r not in self.done]
         return min(running) if running else max(self.clocks)
 
-    async def advance(self, rank: int) -> None:
+    async def advance(self, rank: int) -> float:
+        """Count one step of `rank`'s; return the seconds it was held back."""
+        started = time.perf_counter()
         async with self.changed:
             self.clocks[rank] += 1
             self.changed.notify_all()
             await self.changed.wait_for(lambda: self.clocks[rank] - self._slowest() <= self.bound)
+        return time.perf_counter() - started
 
     async def pause(self, rank: int) -> None:
         """The worker stops stepping for now (its epoch's steps are done): nobody waits for

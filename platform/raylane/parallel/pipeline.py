@@ -15,12 +15,12 @@ import time
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from raylane.config import RaylaneConfig
 from raylane.config.layout import stage_boundaries
 from raylane.parallel.base import LossFn
+from raylane.parallel.collectives import average_gradients
 from raylane.parallel.mesh import build_mesh
 from raylane.parallel.meters import ActivationMeter, StageTimer
 
@@ -39,18 +39,6 @@ def build_stage_module(model: nn.Module, stage: int, bounds: list[int]) -> nn.Mo
     if stage < len(bounds) - 2:
         model.norm = model.head = None
     return model
-
-
-def average_gradients(module: nn.Module, group: dist.ProcessGroup, world: int) -> None:
-    """All-reduce this stage's gradients over its data-parallel replicas, in one buffer."""
-    grads = [p.grad for p in module.parameters() if p.grad is not None]
-    if not grads:
-        return
-    flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    flat /= world
-    for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-        grad.copy_(averaged)
 
 
 class PipelineParallel:

@@ -9,13 +9,17 @@ from raylane.parallel.base import ParallelStrategy
 def _strategies() -> dict[str, type]:
     from raylane.parallel.async_sgd import ParameterServerTraining
     from raylane.parallel.ddp import DataParallel
+    from raylane.parallel.fsdp import FullyShardedDataParallel
     from raylane.parallel.local_sgd import LocalSGD
     from raylane.parallel.pipeline import PipelineParallel
+    from raylane.parallel.tensor_parallel import TensorParallel
 
     return {
         "ddp": DataParallel,
         "pipeline": PipelineParallel,
         "hybrid": PipelineParallel,
+        "tp": TensorParallel,
+        "fsdp": FullyShardedDataParallel,
         "local_sgd": LocalSGD,
         "async": ParameterServerTraining,
         "ssp": ParameterServerTraining,

@@ -3,6 +3,10 @@
 A checkpoint may be written in parts (one per pipeline stage, each by its own worker; Ray Train
 merges the workers' directories). Parameter names are those of the whole model in every part,
 so the parts' state dicts merge into the whole model's.
+
+Strategies whose parameters are sharded (tp, fsdp) write a torch distributed checkpoint instead
+(`sharded/`: every worker its shards of the model and optimizer, resumable on the same layout)
+and, from rank 0, the assembled model as part 0, which is what registration and serving load.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import torch
 from torch import nn
 
 META_FILE = "meta.json"
+SHARDED_DIR = "sharded"
 
 
 def _model_file(part: int) -> str:
@@ -39,7 +44,7 @@ def save_checkpoint(
     if part == 0:
         # One writer: Ray Train merges the parts' directories, and two meta files written into
         # the same place would corrupt each other.
-        (directory / META_FILE).write_text(json.dumps({"epoch": epoch, "metrics": metrics}))
+        _write_meta(directory, epoch, metrics)
 
 
 def load_model_state(directory: Path) -> dict:
@@ -62,5 +67,62 @@ def restore_checkpoint(
     model.load_state_dict(state)
     optimizer.load_state_dict(
         torch.load(directory / _optimizer_file(part), map_location="cpu", weights_only=True)
+    )
+    return json.loads((directory / META_FILE).read_text())["epoch"] + 1
+
+
+def _write_meta(directory: Path, epoch: int, metrics: dict) -> None:
+    (directory / META_FILE).write_text(json.dumps({"epoch": epoch, "metrics": metrics}))
+
+
+def save_sharded_checkpoint(
+    directory: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    epoch: int,
+    metrics: dict,
+    rank: int,
+) -> None:
+    """Collective: every worker writes its shards; rank 0 also the assembled model."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+    )
+
+    directory.mkdir(parents=True, exist_ok=True)
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save(
+        {"model": model_state, "optimizer": optimizer_state},
+        checkpoint_id=directory / SHARDED_DIR,
+    )
+    # Gathered onto rank 0 only (cpu_offload), in the plain model's names.
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if rank == 0:
+        torch.save(full, directory / _model_file(0))
+        _write_meta(directory, epoch, metrics)
+
+
+def restore_sharded_checkpoint(
+    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> int:
+    """Collective: load every worker's shards of model and optimizer; the epoch to start from."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    directory = Path(directory)
+    if not (directory / SHARDED_DIR / ".metadata").is_file():
+        raise ValueError(
+            f"checkpoint {directory} holds no sharded state ({SHARDED_DIR}/.metadata): it was "
+            "saved by a strategy that does not shard the model; resume it with that strategy"
+        )
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(state, checkpoint_id=directory / SHARDED_DIR)
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
     )
     return json.loads((directory / META_FILE).read_text())["epoch"] + 1

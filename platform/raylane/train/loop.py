@@ -28,8 +28,14 @@ from raylane.config import RaylaneConfig
 from raylane.models import build_model
 from raylane.parallel import get_strategy
 from raylane.parallel.activation_checkpoint import apply_activation_checkpointing
+from raylane.parallel.meters import ActivationMeter, model_state_bytes
 from raylane.train.batches import iter_torch_batches
-from raylane.train.checkpointing import restore_checkpoint, save_checkpoint
+from raylane.train.checkpointing import (
+    restore_checkpoint,
+    restore_sharded_checkpoint,
+    save_checkpoint,
+    save_sharded_checkpoint,
+)
 from raylane.train.optim import build_optimizer
 from raylane.train.step_times import StepTimes, step_metrics
 from raylane.train.straggler import Straggler
@@ -69,23 +75,23 @@ def peak_rss_mb() -> float:
 
 
 def _my_batches(strategy, shard, cfg: RaylaneConfig, shuffle_seed: int | None) -> Iterator:
-    """This worker's batches: every `data_world`-th one, from complete groups only, so every
-    data-parallel replica takes the same number of steps."""
-    pipelined = not strategy.splits_dataset
-    group: list = []
-    for batch in iter_torch_batches(
+    """This worker's batches. Workers that read every row (pipeline stages, tensor-parallel
+    and FSDP workers) read global batches of `data_world` x batch_size rows and take their
+    replica's slice, so a layout with dp replicas trains on exactly the batches one worker
+    with dp times the batch size would."""
+    rows = cfg.training.batch_size
+    first = strategy.data_rank * rows
+    for inputs, targets in iter_torch_batches(
         shard,
-        batch_size=cfg.training.batch_size,
+        batch_size=rows * strategy.data_world,
         features_column=cfg.data.features_column,
         label_column=cfg.data.label_column,
         shuffle_seed=shuffle_seed,
-        # Pipeline stages infer their buffers' shapes once: every batch must be full.
-        drop_last=pipelined,
+        # Every replica takes a full slice (and pipeline stages infer their buffers' shapes
+        # once): the last, partial global batch is dropped.
+        drop_last=not strategy.splits_dataset,
     ):
-        group.append(batch)
-        if len(group) == strategy.data_world:
-            yield group[strategy.data_rank]
-            group = []
+        yield inputs[first : first + rows], targets[first : first + rows]
 
 
 def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank):
@@ -98,13 +104,24 @@ def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank):
     # Workers that read the same rows (pipeline stages) must shuffle them the same way.
     seed = cfg.training.seed * 100_003 + epoch * 1_009 + (rank if strategy.splits_dataset else 0)
     batches = _my_batches(strategy, shard, cfg, seed)
+    # Activation bytes autograd holds: the strategy's own meter (pipeline stages), else one
+    # around each step.
+    activations = getattr(strategy, "activations", None)
+    own_meter = activations is None
+    if own_meter:
+        activations = ActivationMeter()
+    activations.reset()
     start = step_start = time.perf_counter()
     for step, (inputs, targets) in enumerate(batches):
         if cfg.training.steps_per_epoch is not None and step >= cfg.training.steps_per_epoch:
             break
         data_wait = time.perf_counter() - step_start
         straggler.maybe_wait(epoch, step)
-        loss = strategy.train_step(model, optimizer, cross_entropy, inputs, targets)
+        if own_meter:
+            with activations:
+                loss = strategy.train_step(model, optimizer, cross_entropy, inputs, targets)
+        else:
+            loss = strategy.train_step(model, optimizer, cross_entropy, inputs, targets)
         if strategy.reports_loss:
             loss_sum += loss.item() * len(targets)
             rows += len(targets)
@@ -118,12 +135,18 @@ def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank):
     steps_done = getattr(strategy, "steps_done", None)  # before the collective below
     if steps_done is not None:
         steps_done()
+    memory = {**model_state_bytes(model, optimizer), "activation_peak": activations.peak_bytes}
     total_loss, total_rows, *step_totals = _all_reduce([loss_sum, rows, *times.as_list()])
+    # The largest worker's model state and activations (MB): what must fit on one device.
+    largest = _all_reduce(list(memory.values()), MAX)
     # Throughput of the whole group: all rows over this worker's epoch time (the group moves in
     # lock-step, so every worker's epoch takes about as long).
     # Data-parallel replicas each count their own rows; pipeline stages of one replica count
     # them once (only the last stage reports).
     split = step_metrics(step_totals)
+    split.update(
+        {f"worker_{name}_mb": value / 2**20 for name, value in zip(memory, largest, strict=True)}
+    )
     return total_loss / max(total_rows, 1), total_rows, elapsed, split
 
 
@@ -215,9 +238,15 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         checkpoint = ray.train.Checkpoint(str(cfg.training.resume_from))
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
-            start_epoch = restore_checkpoint(
-                Path(directory), strategy.unwrap_model(model), optimizer, strategy.checkpoint_part
-            )
+            if getattr(strategy, "sharded_checkpoint", False):
+                start_epoch = restore_sharded_checkpoint(Path(directory), model, optimizer)
+            else:
+                start_epoch = restore_checkpoint(
+                    Path(directory),
+                    strategy.unwrap_model(model),
+                    optimizer,
+                    strategy.checkpoint_part,
+                )
 
     placement = _gather_placement(rank)
     check_same_code(placement, loop_config.get("driver_code"))
@@ -281,7 +310,9 @@ def _train_epochs(strategy, model, optimizer, cfg, start_epoch, rank, epoch_logg
             epoch_logger.log_step_split(split_history)
             epoch_logger.log_tables(getattr(strategy, "run_tables", {}))
         with tempfile.TemporaryDirectory() as directory:
-            if strategy.saves_checkpoint:
+            if getattr(strategy, "sharded_checkpoint", False):
+                save_sharded_checkpoint(Path(directory), model, optimizer, epoch, metrics, rank)
+            elif strategy.saves_checkpoint:
                 save_checkpoint(
                     Path(directory),
                     strategy.unwrap_model(model),

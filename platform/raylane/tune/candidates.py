@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raylane.config import ConfigError, RaylaneConfig, load_config
-from raylane.config.layout import PIPELINED
+from raylane.config.layout import PIPELINED, SHARDED
 from raylane.config.loader import with_absolute_paths
 from raylane.tune.spec import TuneSpec
 
@@ -29,6 +29,7 @@ class Candidate:
             o["parallelism.strategy"],
             f"w{o['parallelism.workers']}",
             f"dp{o['parallelism.dp']}xpp{o['parallelism.pp']}",
+            *([f"tp{o['parallelism.tp']}"] if o.get("parallelism.tp", 1) > 1 else []),
             f"m{o['parallelism.microbatches']}",
             f"b{o['training.batch_size']}",
         ]
@@ -59,6 +60,7 @@ _LAYOUT_KEYS = {
     "parallelism.workers",
     "parallelism.dp",
     "parallelism.pp",
+    "parallelism.tp",
     "parallelism.microbatches",
     "training.batch_size",
     "parallelism.grad_compression",
@@ -73,10 +75,17 @@ def _yaml_value(value: Any) -> str:
     return "null" if value is None else json.dumps(value)
 
 
-def _layouts(strategy: str, workers: int, pps: list[int]) -> list[tuple[int, int]]:
-    if strategy not in PIPELINED:
-        return [(workers, 1)]
-    return [(workers // pp, pp) for pp in pps if workers % pp == 0] or [(workers, 1)]
+def _layouts(
+    strategy: str, workers: int, pps: list[int], tps: list[int]
+) -> list[tuple[int, int, int]]:
+    """(dp, pp, tp) per layout of `strategy` on `workers`; an impossible one is kept so that
+    the config's validation names why it is pruned."""
+    if strategy in PIPELINED:
+        return [(workers // pp, pp, 1) for pp in pps if workers % pp == 0] or [(workers, 1, 1)]
+    if strategy in SHARDED:
+        degrees = sorted({1, *tps}) if strategy == "fsdp" else tps
+        return [(max(workers // tp, 1), 1, tp) for tp in degrees]
+    return [(workers, 1, 1)]
 
 
 def enumerate_candidates(spec: TuneSpec) -> tuple[list[Candidate], list[Pruned]]:
@@ -88,8 +97,8 @@ def enumerate_candidates(spec: TuneSpec) -> tuple[list[Candidate], list[Pruned]]
     extra_keys = list(space.extra)
     for strategy, workers in itertools.product(space.strategy, space.workers):
         pipelined = strategy in PIPELINED
-        for (dp, pp), micro, batch, compression, ac, *extra in itertools.product(
-            _layouts(strategy, workers, space.pp),
+        for (dp, pp, tp), micro, batch, compression, ac, *extra in itertools.product(
+            _layouts(strategy, workers, space.pp, space.tp),
             space.microbatches if pipelined else [1],
             space.batch_size,
             space.grad_compression,
@@ -102,6 +111,7 @@ def enumerate_candidates(spec: TuneSpec) -> tuple[list[Candidate], list[Pruned]]
                     "parallelism.workers": workers,
                     "parallelism.dp": dp,
                     "parallelism.pp": pp,
+                    "parallelism.tp": tp,
                     "parallelism.microbatches": micro,
                     "training.batch_size": batch,
                     "parallelism.grad_compression": compression,

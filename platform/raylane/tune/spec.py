@@ -8,11 +8,11 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from raylane.config import ConfigError, load_config
-from raylane.config.schema import StrictModel
+from raylane.config.schema import Strategy, StrictModel
 
 
 class SearchSpace(StrictModel):
-    strategy: list[Literal["ddp", "pipeline", "hybrid", "local_sgd", "async", "ssp"]] = Field(
+    strategy: list[Strategy] = Field(
         default_factory=lambda: ["ddp", "pipeline", "hybrid"],
         min_length=1,
         description="Strategies to try (the relaxed-consistency ones trade convergence for "
@@ -23,6 +23,11 @@ class SearchSpace(StrictModel):
     )
     pp: list[int] = Field(
         default_factory=lambda: [2], min_length=1, description="Pipeline stages (pipelined)."
+    )
+    tp: list[int] = Field(
+        default_factory=lambda: [2],
+        min_length=1,
+        description="Tensor-parallel degrees ('tp'; 'fsdp' also tries tp 1).",
     )
     microbatches: list[int] = Field(
         default_factory=lambda: [4, 8], min_length=1, description="Micro-batches (pipelined)."

@@ -1,6 +1,7 @@
-"""The core proof: pipeline and hybrid training are the same computation as single-process
-training. Same seed, same batches: per-step losses within a relative 1e-4, final parameters
-within 1e-4, over 5 optimizer steps. Runs the strategies' own code inside Ray Train workers.
+"""The core proof: every model-splitting layout (pipeline, hybrid, tensor parallel, FSDP, and
+FSDP x tensor parallel) is the same computation as single-process training. Same seed, same
+batches: per-step losses within a relative 1e-4, final parameters within 1e-4, over 5 optimizer
+steps. Runs the strategies' own code inside Ray Train workers.
 
 The optimizer is plain SGD: Adam divides each update by the gradient's running magnitude, which
 turns float rounding on parameters whose true gradient is zero (attention key biases) into
@@ -14,6 +15,7 @@ import torch
 from torch.nn import functional as F
 
 from raylane.config import load_config
+from raylane.config.layout import replicas
 from raylane.models import build_model
 
 from .conftest import ROOT
@@ -23,15 +25,27 @@ MICRO_BATCH_ROWS = 2
 LR = 0.5
 
 
-def _config(strategy: str, schedule: str, dp: int):
+LAYOUTS = {
+    "pipeline-gpipe": {"strategy": "pipeline", "schedule": "gpipe", "pp": 2, "dp": 1},
+    "pipeline-1f1b": {"strategy": "pipeline", "schedule": "1f1b", "pp": 2, "dp": 1},
+    "hybrid-1f1b": {"strategy": "hybrid", "schedule": "1f1b", "pp": 2, "dp": 2},
+    "tp2": {"strategy": "tp", "tp": 2, "dp": 1},
+    "tp2-dp2": {"strategy": "tp", "tp": 2, "dp": 2},
+    "fsdp2": {"strategy": "fsdp", "tp": 1, "dp": 2},
+    "fsdp2-tp2": {"strategy": "fsdp", "tp": 2, "dp": 2},
+}
+
+
+def _config(layout: dict):
+    workers = layout["dp"] * layout.get("pp", 1) * layout.get("tp", 1)
+    overrides = [f"parallelism.{key}={value}" for key, value in layout.items()]
+    if "pp" not in layout:
+        overrides.append("parallelism.pp=1")
     return load_config(
         ROOT / "configs" / "train" / "lm_pipeline.yaml",
         [
-            f"parallelism.strategy={strategy}",
-            f"parallelism.schedule={schedule}",
-            f"parallelism.dp={dp}",
-            f"parallelism.workers={2 * dp}",
-            "parallelism.pp=2",
+            *overrides,
+            f"parallelism.workers={workers}",
             "parallelism.microbatches=4",
             "parallelism.torch_threads=1",
             f"training.batch_size={4 * MICRO_BATCH_ROWS}",
@@ -66,10 +80,12 @@ def _reference(cfg, batches):
     return losses, model.state_dict()
 
 
-def _pipelined_worker(loop_config):
-    """Each worker: its strategy's stage; dp replica r trains on rows [r*B, (r+1)*B)."""
+def _layout_worker(loop_config):
+    """Each worker: its strategy's part of the model; dp replica r trains on rows
+    [r*B, (r+1)*B)."""
     import ray.train
     import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from raylane.config import RaylaneConfig
     from raylane.parallel import get_strategy
@@ -88,20 +104,22 @@ def _pipelined_worker(loop_config):
         mine = batch[strategy.data_rank * rows : (strategy.data_rank + 1) * rows]
         loss = strategy.train_step(model, optimizer, cross_entropy, mine[:, :-1], mine[:, 1:])
         losses.append(None if loss is None else loss.item())
+    # Sharded parameters assembled (collective); a pipeline stage's are its own.
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(
         gathered,
         {
             "dp_rank": strategy.data_rank,
-            "losses": losses,
+            "losses": losses if strategy.reports_loss else [],
             # Plain arrays: Ray Train refuses tensors in a training function's return value.
-            "state": {k: v.detach().numpy().copy() for k, v in model.state_dict().items()},
+            "state": {k: v.detach().numpy().copy() for k, v in state.items()},
         },
     )
     return gathered
 
 
-def _run_pipelined(cfg, batches, tmp_path):
+def _run_layout(cfg, batches, tmp_path):
     import sys
 
     from ray import cloudpickle
@@ -112,7 +130,7 @@ def _run_pipelined(cfg, batches, tmp_path):
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
     trainer = TorchTrainer(
-        _pipelined_worker,
+        _layout_worker,
         train_loop_config={"config": cfg.model_dump(mode="json"), "batches": batches},
         scaling_config=ScalingConfig(
             num_workers=cfg.parallelism.workers, resources_per_worker={"CPU": 0.25}
@@ -122,24 +140,22 @@ def _run_pipelined(cfg, batches, tmp_path):
     return trainer.fit().return_value
 
 
-@pytest.mark.parametrize(
-    ("strategy", "schedule", "dp"),
-    [("pipeline", "gpipe", 1), ("pipeline", "1f1b", 1), ("hybrid", "1f1b", 2)],
-)
-def test_pipelined_training_equals_single_process(ray_cluster, tmp_path, strategy, schedule, dp):
-    cfg = _config(strategy, schedule, dp)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_training_equals_single_process(ray_cluster, tmp_path, name):
+    cfg = _config(LAYOUTS[name])
+    dp = replicas(cfg)
     batches = _global_batches(cfg, dp)
     expected_losses, expected_state = _reference(cfg, batches)
 
-    records = _run_pipelined(cfg, batches, tmp_path)
-    replicas = {}
+    records = _run_layout(cfg, batches, tmp_path)
+    by_replica = {}
     for record in records:
         losses = [loss for loss in record["losses"] if loss is not None]
-        if losses:  # the last stage of each replica
-            replicas[record["dp_rank"]] = losses
-    assert sorted(replicas) == list(range(dp))
+        if losses:  # one worker of each replica (a pipeline's last stage)
+            by_replica[record["dp_rank"]] = losses
+    assert sorted(by_replica) == list(range(dp))
     # Each replica's loss is the mean over its half; the model's is their mean.
-    measured = [sum(step) / dp for step in zip(*replicas.values(), strict=True)]
+    measured = [sum(step) / dp for step in zip(*by_replica.values(), strict=True)]
     assert len(measured) == STEPS
     for got, want in zip(measured, expected_losses, strict=True):
         assert got == pytest.approx(want, rel=1e-4)
@@ -150,11 +166,11 @@ def test_pipelined_training_equals_single_process(ray_cluster, tmp_path, strateg
         if record["dp_rank"] == 0:
             merged.update({k: torch.tensor(v) for k, v in record["state"].items()})
     assert merged.keys() == expected_state.keys()
-    for name, value in expected_state.items():
-        torch.testing.assert_close(merged[name], value, rtol=1e-4, atol=1e-5, msg=name)
-    # Replicas of a stage hold identical parameters after the averaged updates.
+    for key, value in expected_state.items():
+        torch.testing.assert_close(merged[key], value, rtol=1e-4, atol=1e-5, msg=key)
+    # Every replica (and every worker's assembled copy) holds the same parameters.
     for record in records:
-        for name, value in record["state"].items():
+        for key, value in record["state"].items():
             torch.testing.assert_close(
-                torch.tensor(value), expected_state[name], rtol=1e-4, atol=1e-5
+                torch.tensor(value), expected_state[key], rtol=1e-4, atol=1e-5, msg=key
             )

@@ -1,0 +1,176 @@
+"""Model-splitting layouts through the product's own path (`run_training`: Ray Data, the loop's
+routing of rows to replicas and stages, the configured optimizer, MLflow): each trains what one
+worker trains on the same global batches; tensor-parallel and FSDP runs checkpoint sharded,
+resume to the uninterrupted result, record per-worker memory, and their assembled model is
+registered and answers over the inference endpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import mlflow
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from raylane.config import load_config
+from raylane.config.layout import replicas
+from raylane.data.parquet import read_rows
+from raylane.train.job import run_training
+
+from .conftest import ROOT, free_port, lm_overrides
+
+STEPS = 3
+ROWS = 8  # per replica
+
+LAYOUTS = {
+    "pipeline": ["parallelism.strategy=pipeline", "parallelism.pp=2", "parallelism.dp=1"],
+    "hybrid": ["parallelism.strategy=hybrid", "parallelism.pp=2", "parallelism.dp=2"],
+    "tp": ["parallelism.strategy=tp", "parallelism.pp=1", "parallelism.tp=2"],
+    "fsdp": ["parallelism.strategy=fsdp", "parallelism.pp=1", "parallelism.dp=2"],
+    "fsdp-tp": [
+        "parallelism.strategy=fsdp",
+        "parallelism.pp=1",
+        "parallelism.dp=2",
+        "parallelism.tp=2",
+    ],
+}
+WORKERS = {"pipeline": 2, "hybrid": 4, "tp": 2, "fsdp": 2, "fsdp-tp": 4}
+
+
+def _config(workspace, *extra: str):
+    return load_config(
+        ROOT / "configs" / "train" / "lm_pipeline.yaml",
+        lm_overrides(
+            workspace,
+            "training.epochs=2",
+            f"training.steps_per_epoch={STEPS}",
+            "parallelism.microbatches=4",
+            "parallelism.torch_threads=1",
+            "parallelism.resources_per_worker.CPU=0.25",
+            "tracking.system_metrics_interval_s=0",
+            "tracking.registered_model=raylane-layouts",
+            *extra,
+        ),
+    )
+
+
+def _losses(workspace, run_id: str) -> list[float]:
+    client = MlflowClient(tracking_uri=workspace.tracking_uri)
+    return [m.value for m in client.get_metric_history(run_id, "train_loss")]
+
+
+@pytest.fixture(scope="module")
+def one_worker(ray_cluster, workspace):
+    """Per-epoch losses of one DDP worker, by global batch size (rows)."""
+    found = {}
+
+    def losses(rows: int) -> list[float]:
+        if rows not in found:
+            cfg = _config(
+                workspace,
+                "parallelism.strategy=ddp",
+                "parallelism.pp=1",
+                "parallelism.workers=1",
+                f"training.batch_size={rows}",
+            )
+            found[rows] = _losses(workspace, run_training(cfg).run_id)
+        return found[rows]
+
+    return losses
+
+
+@pytest.fixture(scope="module")
+def layout_runs(ray_cluster, workspace):
+    ran = {}
+
+    def run(name: str, *extra: str):
+        if (name, extra) not in ran:
+            cfg = _config(
+                workspace,
+                *LAYOUTS[name],
+                f"parallelism.workers={WORKERS[name]}",
+                f"training.batch_size={ROWS}",
+                f"tracking.registered_model=raylane-{name}",
+                *extra,
+            )
+            ran[name, extra] = (cfg, run_training(cfg))
+        return ran[name, extra]
+
+    return run
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_trains_what_one_worker_trains(layout_runs, one_worker, workspace, name):
+    cfg, outcome = layout_runs(name)
+    got = _losses(workspace, outcome.run_id)
+    want = one_worker(ROWS * replicas(cfg))
+    assert len(got) == len(want) == 2
+    assert got == pytest.approx(want, rel=1e-4)
+    assert got[1] < got[0]  # it trained
+
+
+def test_sharded_layouts_record_what_each_worker_holds(layout_runs, one_worker):
+    one_worker(ROWS)  # the session's first run also prepares the data
+    metrics = {name: layout_runs(name)[1].metrics for name in ("tp", "fsdp")}
+    for name, found in metrics.items():
+        for part in ("param", "grad", "optimizer_state", "activation_peak"):
+            assert found[f"worker_{part}_mb"] > 0, (name, part)
+    # FSDP over 2 workers: each holds half of every parameter, gradient and Adam moment.
+    fsdp = metrics["fsdp"]
+    assert fsdp["worker_optimizer_state_mb"] == pytest.approx(2 * fsdp["worker_param_mb"])
+    # Tensor parallel: the blocks' linear layers (most of the model) are split in two.
+    tp = metrics["tp"]
+    assert tp["worker_param_mb"] < 0.75 * 2 * fsdp["worker_param_mb"]
+
+
+def test_sharded_checkpoint_resumes_to_the_uninterrupted_result(layout_runs, workspace):
+    _, uninterrupted = layout_runs("tp")
+    _, first_epoch = layout_runs("tp", "training.epochs=1")
+    checkpoint = Path(first_epoch.checkpoint_path)
+    assert (checkpoint / "sharded" / ".metadata").is_file()
+    assert len(list((checkpoint / "sharded").glob("*.distcp"))) == 2  # one per worker
+    assert (checkpoint / "model-part000.pt").is_file()  # the assembled model
+    _, resumed = layout_runs("tp", f"training.resume_from={checkpoint}")
+    # The resumed run trains epoch 1 only, from epoch 0's weights and Adam moments.
+    assert _losses(workspace, resumed.run_id) == pytest.approx(
+        _losses(workspace, uninterrupted.run_id)[1:], rel=1e-4
+    )
+
+
+@pytest.fixture(scope="module")
+def fsdp_tp_endpoint(layout_runs, workspace):
+    from raylane.serving.app import deploy, shutdown_serve
+
+    cfg, outcome = layout_runs("fsdp-tp")
+    assert outcome.model_version == 1 and outcome.promoted
+    served = cfg.model_copy(
+        update={"serving": cfg.serving.model_copy(update={"port": free_port()})}
+    )
+    url, _ = deploy(served)
+    try:
+        yield cfg, url
+    finally:
+        shutdown_serve()
+
+
+def test_assembled_fsdp_tp_model_is_registered_and_served(fsdp_tp_endpoint, workspace):
+    cfg, url = fsdp_tp_endpoint
+    mlflow.set_tracking_uri(workspace.tracking_uri)
+    model = mlflow.pytorch.load_model(f"models:/{cfg.tracking.registered_model}@champion")
+    # The whole model, not one worker's shard of it.
+    assert model.blocks["0"].attn.q.weight.shape == (cfg.model.d_model, cfg.model.d_model)
+    assert model.blocks["0"].mlp[0].weight.shape == (4 * cfg.model.d_model, cfg.model.d_model)
+    tokens, _ = read_rows(cfg.data.validation_path, cfg, limit=3)
+    body = {
+        "inputs": [
+            {"name": "tokens", "shape": list(tokens.shape), "datatype": "INT64",
+             "data": tokens.tolist()}
+        ]
+    }  # fmt: skip
+    response = httpx.post(f"{url}/v2/models/lm/infer", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    outputs = {o["name"]: o for o in response.json()["outputs"]}
+    expected = model(torch.from_numpy(tokens))[:, -1, :].argmax(dim=-1).tolist()
+    assert outputs["label"]["data"] == expected
