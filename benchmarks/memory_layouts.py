@@ -59,6 +59,7 @@ def bench_config(workdir: Path, args, workers: int, overrides: list[str]):
         f"model.d_model={args.d_model}",
         "model.n_layers=4",
         f"parallelism.workers={workers}",
+        "parallelism.strategy=ddp",
         "parallelism.pp=1",
         "parallelism.dp=1",
         "parallelism.microbatches=4",

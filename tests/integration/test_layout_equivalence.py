@@ -1,7 +1,7 @@
-"""The core proof: every model-splitting layout (pipeline, hybrid, tensor parallel, FSDP, and
-FSDP x tensor parallel) is the same computation as single-process training. Same seed, same
-batches: per-step losses within a relative 1e-4, final parameters within 1e-4, over 5 optimizer
-steps. Runs the strategies' own code inside Ray Train workers.
+"""The core proof: every model-splitting layout (pipeline, hybrid, tensor parallel, FSDP,
+FSDP x tensor parallel, and 3D dp x pp x tp) is the same computation as single-process
+training. Same seed, same batches: per-step losses within a relative 1e-4, final parameters
+within 1e-4, over 5 optimizer steps. Runs the strategies' own code inside Ray Train workers.
 
 The optimizer is plain SGD: Adam divides each update by the gradient's running magnitude, which
 turns float rounding on parameters whose true gradient is zero (attention key biases) into
@@ -33,6 +33,7 @@ LAYOUTS = {
     "tp2-dp2": {"strategy": "tp", "tp": 2, "dp": 2},
     "fsdp2": {"strategy": "fsdp", "tp": 1, "dp": 2},
     "fsdp2-tp2": {"strategy": "fsdp", "tp": 2, "dp": 2},
+    "3d-dp2-pp2-tp2": {"strategy": "hybrid", "schedule": "1f1b", "pp": 2, "dp": 2, "tp": 2},
 }
 
 

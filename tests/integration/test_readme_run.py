@@ -151,7 +151,7 @@ def test_sharded_block(readme):
     run = _ok(run_block(SHARDED, copy, env, timeout_s=900), SHARDED.where)
     client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
     for command, experiment, workers in zip(
-        run.commands, ("lm-tp", "lm-fsdp", "lm-fsdp"), (2, 2, 4), strict=True
+        run.commands, ("lm-tp", "lm-fsdp", "lm-fsdp", "lm-3d"), (2, 2, 4, 8), strict=True
     ):
         run_id = re.search(r"MLflow run ([0-9a-f]{32})", command.output).group(1)
         found = client.get_run(run_id)

@@ -36,7 +36,8 @@ LAYOUTS = {
         "parallelism.tp=2",
     ],
 }
-WORKERS = {"pipeline": 2, "hybrid": 4, "tp": 2, "fsdp": 2, "fsdp-tp": 4}
+LAYOUTS["3d"] = [*LAYOUTS["hybrid"], "parallelism.tp=2"]
+WORKERS = {"pipeline": 2, "hybrid": 4, "tp": 2, "fsdp": 2, "fsdp-tp": 4, "3d": 8}
 
 
 def _config(workspace, *extra: str):
@@ -111,6 +112,13 @@ def test_layout_trains_what_one_worker_trains(layout_runs, one_worker, workspace
     assert got[1] < got[0]  # it trained
 
 
+def test_3d_checkpoint_holds_each_stages_assembled_part(layout_runs):
+    _, outcome = layout_runs("3d")
+    checkpoint = Path(outcome.checkpoint_path)
+    assert {"model-part000.pt", "model-part001.pt"} <= {p.name for p in checkpoint.iterdir()}
+    assert outcome.model_version is not None  # the parts merged into one registered model
+
+
 def test_sharded_layouts_record_what_each_worker_holds(layout_runs, one_worker):
     one_worker(ROWS)  # the session's first run also prepares the data
     metrics = {name: layout_runs(name)[1].metrics for name in ("tp", "fsdp")}
@@ -127,14 +135,18 @@ def test_sharded_layouts_record_what_each_worker_holds(layout_runs, one_worker):
     assert tp["worker_param_mb"] < 0.75 * 2 * fsdp["worker_param_mb"]
 
 
-def test_sharded_checkpoint_resumes_to_the_uninterrupted_result(layout_runs, workspace):
-    _, uninterrupted = layout_runs("tp")
-    _, first_epoch = layout_runs("tp", "training.epochs=1")
+@pytest.mark.parametrize(("name", "files"), [("tp", {2}), ("3d", {4, 5, 6, 7, 8})])
+def test_sharded_checkpoint_resumes_to_the_uninterrupted_result(
+    layout_runs, workspace, name, files
+):
+    _, uninterrupted = layout_runs(name)
+    _, first_epoch = layout_runs(name, "training.epochs=1")
     checkpoint = Path(first_epoch.checkpoint_path)
     assert (checkpoint / "sharded" / ".metadata").is_file()
-    assert len(list((checkpoint / "sharded").glob("*.distcp"))) == 2  # one per worker
-    assert (checkpoint / "model-part000.pt").is_file()  # the assembled model
-    _, resumed = layout_runs("tp", f"training.resume_from={checkpoint}")
+    # A file per worker holding shards no other worker wrote (dp replicas' copies once).
+    assert len(list((checkpoint / "sharded").glob("*.distcp"))) in files
+    assert (checkpoint / "model-part000.pt").is_file()  # the assembled model (or stage 0)
+    _, resumed = layout_runs(name, f"training.resume_from={checkpoint}")
     # The resumed run trains epoch 1 only, from epoch 0's weights and Adam moments.
     assert _losses(workspace, resumed.run_id) == pytest.approx(
         _losses(workspace, uninterrupted.run_id)[1:], rel=1e-4

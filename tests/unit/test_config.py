@@ -210,7 +210,11 @@ LM_FSDP = ROOT / "configs" / "train" / "lm_fsdp.yaml"
         (LM_TP, ["parallelism.pp=2"], "strategy 'tp' has no pipeline stages; pp must be 1"),
         (LM_FSDP, ["parallelism.tp=2", "parallelism.workers=3"],
          "workers (3) is not divisible by tp (2)"),
-        (LM_PIPELINE, ["parallelism.tp=2"], "parallelism.tp 2 needs strategy 'tp' or 'fsdp'"),
+        (LM_PIPELINE, ["parallelism.tp=2"], "dp * pp * tp = 1 * 2 * 2 = 4 but workers is 2"),
+        (LM_PIPELINE, ["parallelism.tp=3", "parallelism.workers=6"],
+         "model.n_heads (4) is not divisible by parallelism.tp (3)"),
+        (LM_TP, ["parallelism.strategy=ddp"], "parallelism.tp 2 needs strategy 'tp', 'fsdp', "
+         "'pipeline' or 'hybrid' (got 'ddp')"),
         (LM_FSDP, ["parallelism.tp=2", "model.kind=mlp", "data.source=sklearn-digits",
                    "model.num_classes=10"], "model.kind must be 'gpt', not 'mlp'"),
     ],

@@ -1,4 +1,5 @@
-"""Cross-field checks of the parallel layout: workers = dp * pp, stages, micro-batches.
+"""Cross-field checks of the parallel layout: workers = dp * pp * tp, stages, micro-batches,
+heads per tensor-parallel worker.
 
 Each rule raises a sentence that names the fields, so an impossible layout is refused before
 Ray starts.
@@ -56,7 +57,8 @@ def describe_stages(cfg: RaylaneConfig) -> list[str]:
         parts.append(f"blocks {bounds[stage]}-{bounds[stage + 1] - 1}")
         if stage == par.pp - 1:
             parts.append("norm + head")
-        lines.append(f"stage {stage}: {', '.join(parts)} (x{par.dp} replicas)")
+        split = f", blocks split over {par.tp} workers" if par.tp > 1 else ""
+        lines.append(f"stage {stage}: {', '.join(parts)} (x{par.dp} replicas{split})")
     return lines
 
 
@@ -96,11 +98,6 @@ def _check_sharded(cfg: RaylaneConfig) -> None:
             f"parallelism: dp * tp = {par.dp} * {par.tp} = {par.dp * par.tp} but workers is "
             f"{par.workers}"
         )
-    if cfg.model.kind == "gpt" and cfg.model.n_heads % par.tp:
-        raise ValueError(
-            f"model.n_heads ({cfg.model.n_heads}) is not divisible by parallelism.tp "
-            f"({par.tp}): each tensor-parallel worker holds whole attention heads"
-        )
 
 
 def check_layout(cfg: RaylaneConfig) -> None:
@@ -125,9 +122,15 @@ def check_layout(cfg: RaylaneConfig) -> None:
             f"parallelism.straggler.rank {max(par.straggler.ranks)} names no worker; "
             f"ranks are 0-{par.workers - 1}"
         )
-    if par.tp > 1 and par.strategy not in SHARDED:
+    if par.tp > 1 and par.strategy not in (*SHARDED, *PIPELINED):
         raise ValueError(
-            f"parallelism.tp {par.tp} needs strategy 'tp' or 'fsdp' (got '{par.strategy}')"
+            f"parallelism.tp {par.tp} needs strategy 'tp', 'fsdp', 'pipeline' or 'hybrid' (got "
+            f"'{par.strategy}')"
+        )
+    if cfg.model.kind == "gpt" and cfg.model.n_heads % par.tp:
+        raise ValueError(
+            f"model.n_heads ({cfg.model.n_heads}) is not divisible by parallelism.tp "
+            f"({par.tp}): each tensor-parallel worker holds whole attention heads"
         )
     if par.strategy in SHARDED:
         _check_sharded(cfg)
@@ -153,11 +156,14 @@ def check_layout(cfg: RaylaneConfig) -> None:
         )
     if par.strategy == "hybrid" and par.dp < 2:
         raise ValueError(f"parallelism: strategy 'hybrid' needs dp >= 2 (got {par.dp})")
-    if par.dp * par.pp != par.workers:
-        raise ValueError(
-            f"parallelism: dp * pp = {par.dp} * {par.pp} = {par.dp * par.pp} but workers is "
-            f"{par.workers}"
+    if par.dp * par.pp * par.tp != par.workers:
+        product = par.dp * par.pp * par.tp
+        factors = (
+            f"dp * pp * tp = {par.dp} * {par.pp} * {par.tp}"
+            if par.tp > 1
+            else (f"dp * pp = {par.dp} * {par.pp}")
         )
+        raise ValueError(f"parallelism: {factors} = {product} but workers is {par.workers}")
     if par.microbatches < par.pp:
         raise ValueError(
             f"parallelism: microbatches ({par.microbatches}) must be at least pp ({par.pp}), "

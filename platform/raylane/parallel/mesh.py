@@ -1,5 +1,5 @@
-"""Named device meshes: `dp` replicas x `pp` stages (pipelined jobs), `dp` x `tp` (tensor
-parallel and sharded jobs)."""
+"""Named device meshes: `dp` replicas x `pp` stages x `tp` tensor-parallel workers (pipelined
+jobs, 3D when tp > 1), `dp` x `tp` (tensor-parallel and sharded jobs)."""
 
 from __future__ import annotations
 
@@ -18,13 +18,15 @@ class MeshDim(StrEnum):
 
 @dataclass(frozen=True)
 class ParallelMesh:
-    """Where this worker sits: global rank = dp_rank * pp + pp_rank."""
+    """Where this worker sits: global rank = (dp_rank * pp + pp_rank) * tp + tp_rank."""
 
     mesh: DeviceMesh
     dp: int
     pp: int
     dp_rank: int
     pp_rank: int
+    tp: int = 1
+    tp_rank: int = 0
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
@@ -34,16 +36,25 @@ class ParallelMesh:
     def pp_group(self) -> dist.ProcessGroup:
         return self.mesh[MeshDim.PP.value].get_group()
 
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh[MeshDim.TP.value]
 
-def build_mesh(dp: int, pp: int, device_type: str) -> ParallelMesh:
-    """A (dp, pp) mesh over the process group Ray Train already initialised."""
-    mesh = init_device_mesh(device_type, (dp, pp), mesh_dim_names=(MeshDim.DP, MeshDim.PP))
+
+def build_mesh(dp: int, pp: int, device_type: str, tp: int = 1) -> ParallelMesh:
+    """A (dp, pp, tp) mesh over the process group Ray Train already initialised: the workers
+    of one tensor-parallel group are neighbours, then the stages, then the replicas."""
+    mesh = init_device_mesh(
+        device_type, (dp, pp, tp), mesh_dim_names=(MeshDim.DP, MeshDim.PP, MeshDim.TP)
+    )
     return ParallelMesh(
         mesh=mesh,
         dp=dp,
         pp=pp,
         dp_rank=mesh.get_local_rank(MeshDim.DP.value),
         pp_rank=mesh.get_local_rank(MeshDim.PP.value),
+        tp=tp,
+        tp_rank=mesh.get_local_rank(MeshDim.TP.value),
     )
 
 

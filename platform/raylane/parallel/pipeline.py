@@ -3,7 +3,9 @@
 Each worker holds one stage: the plain model with the other stages' blocks deleted, so its
 parameter names are those of the whole model. Batches are cut into micro-batches and driven
 through the stages by a GPipe or 1F1B schedule; with dp > 1, each stage's gradients are averaged
-over its data-parallel replicas before the optimizer step. Every step records each stage's busy
+over its data-parallel replicas before the optimizer step; with tp > 1 each stage's blocks are
+also tensor parallel over `tp` workers (3D: dp x pp x tp on one mesh; activations pass between
+the workers of equal tp rank in neighbouring stages). Every step records each stage's busy
 time (forward/backward compute) and the activation bytes autograd holds, so the bubble can be
 compared with the GPipe bound (p - 1) / (m + p - 1).
 """
@@ -23,6 +25,7 @@ from raylane.parallel.base import LossFn
 from raylane.parallel.collectives import average_gradients
 from raylane.parallel.mesh import build_mesh
 from raylane.parallel.meters import ActivationMeter, StageTimer
+from raylane.parallel.tensor_parallel import apply_tensor_parallel
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -52,16 +55,21 @@ class PipelineParallel:
         self.microbatches = par.microbatches
         self.schedule_name = par.schedule
         self.device = torch.device("cuda" if par.use_gpu else "cpu")
-        self.mesh = build_mesh(par.dp, par.pp, self.device.type)
+        self.mesh = build_mesh(par.dp, par.pp, self.device.type, tp=par.tp)
         self.stage_index = self.mesh.pp_rank
         self.num_stages = par.pp
         self.bounds = stage_boundaries(cfg.model.n_layers, par.pp, par.split_points)
         self.is_first = self.stage_index == 0
         self.is_last = self.stage_index == par.pp - 1
         self.data_rank, self.data_world = self.mesh.dp_rank, par.dp
-        self.reports_loss = self.is_last
+        # The tp workers of the last stage compute the same loss; one of them reports it.
+        self.reports_loss = self.is_last and self.mesh.tp_rank == 0
         self.saves_checkpoint = self.mesh.dp_rank == 0
         self.checkpoint_part = self.stage_index
+        # 3D: blocks are tensor parallel, so every worker writes its shards (and each stage's
+        # first worker that stage's assembled part).
+        self.sharded_checkpoint = par.tp > 1
+        self.writes_part = self.saves_checkpoint and self.mesh.tp_rank == 0
         self.timer = StageTimer()
         self.activations = ActivationMeter()
         self.last_step_parts: dict[str, float] = {}
@@ -73,6 +81,7 @@ class PipelineParallel:
 
             self.device = get_device()
         module = build_stage_module(model, self.stage_index, self.bounds).to(self.device)
+        apply_tensor_parallel(module, self.mesh.tp_mesh)
         self.stage = PipelineStage(
             module, self.stage_index, self.num_stages, self.device, group=self.mesh.pp_group
         )
@@ -134,7 +143,7 @@ class PipelineParallel:
         with self.timer.paused():
             # The last stage's schedule computes the loss whenever it has a loss function.
             output = self._run("eval", inputs, targets, [])
-        return output.cpu() if self.is_last else None
+        return output.cpu() if self.reports_loss else None
 
     def epoch_stats(self) -> dict[str, float]:
         """Per-stage busy/idle time and activation peak, gathered from every worker; the

@@ -69,6 +69,7 @@ class TensorParallel:
         # The tp workers of a replica compute the same loss; one of them reports it.
         self.reports_loss = self.tp_rank == 0
         self.saves_checkpoint = True
+        self.writes_part = rank == 0  # the assembled model
         self.last_step_parts: dict[str, float] = {}
 
     def _place(self) -> None:

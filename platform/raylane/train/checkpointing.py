@@ -75,15 +75,25 @@ def _write_meta(directory: Path, epoch: int, metrics: dict) -> None:
     (directory / META_FILE).write_text(json.dumps({"epoch": epoch, "metrics": metrics}))
 
 
+def _flat_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    # Optimizer settings keyed by parameter name: pipeline stages hold different parameters,
+    # and one shared `param_groups` entry would be written by one of them only.
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 def save_sharded_checkpoint(
     directory: Path,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     epoch: int,
     metrics: dict,
-    rank: int,
+    part: int = 0,
+    writes_part: bool = False,
 ) -> None:
-    """Collective: every worker writes its shards; rank 0 also the assembled model."""
+    """Collective: every worker writes its shards; the workers with `writes_part` also their
+    part (or the whole) of the assembled model, as `save_checkpoint` would."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -92,18 +102,18 @@ def save_sharded_checkpoint(
     )
 
     directory.mkdir(parents=True, exist_ok=True)
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_flat_options())
     dcp.save(
         {"model": model_state, "optimizer": optimizer_state},
         checkpoint_id=directory / SHARDED_DIR,
     )
-    # Gathered onto rank 0 only (cpu_offload), in the plain model's names.
-    full = get_model_state_dict(
-        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    if rank == 0:
-        torch.save(full, directory / _model_file(0))
-        _write_meta(directory, epoch, metrics)
+    # Assembled on every worker of the group (pipeline stages hold different parts), in the
+    # plain model's names.
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if writes_part:
+        torch.save({k: v.cpu() for k, v in full.items()}, directory / _model_file(part))
+        if part == 0:
+            _write_meta(directory, epoch, metrics)
 
 
 def restore_sharded_checkpoint(
@@ -119,10 +129,14 @@ def restore_sharded_checkpoint(
             f"checkpoint {directory} holds no sharded state ({SHARDED_DIR}/.metadata): it was "
             "saved by a strategy that does not shard the model; resume it with that strategy"
         )
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_flat_options())
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=directory / SHARDED_DIR)
     set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+        model,
+        optimizer,
+        model_state_dict=state["model"],
+        optim_state_dict=state["optimizer"],
+        options=_flat_options(),
     )
     return json.loads((directory / META_FILE).read_text())["epoch"] + 1

@@ -309,9 +309,20 @@ def _train_epochs(strategy, model, optimizer, cfg, start_epoch, rank, epoch_logg
             split_history.append(metrics)
             epoch_logger.log_step_split(split_history)
             epoch_logger.log_tables(getattr(strategy, "run_tables", {}))
+        sharded = getattr(strategy, "sharded_checkpoint", False)
+        # A sharded checkpoint needs every worker's files; otherwise only the writers report.
+        reports = sharded or strategy.saves_checkpoint
         with tempfile.TemporaryDirectory() as directory:
-            if getattr(strategy, "sharded_checkpoint", False):
-                save_sharded_checkpoint(Path(directory), model, optimizer, epoch, metrics, rank)
+            if sharded:
+                save_sharded_checkpoint(
+                    Path(directory),
+                    model,
+                    optimizer,
+                    epoch,
+                    metrics,
+                    strategy.checkpoint_part,
+                    strategy.writes_part,
+                )
             elif strategy.saves_checkpoint:
                 save_checkpoint(
                     Path(directory),
@@ -323,8 +334,6 @@ def _train_epochs(strategy, model, optimizer, cfg, start_epoch, rank, epoch_logg
                 )
             ray.train.report(
                 metrics,
-                checkpoint=ray.train.Checkpoint.from_directory(directory)
-                if strategy.saves_checkpoint
-                else None,
+                checkpoint=ray.train.Checkpoint.from_directory(directory) if reports else None,
                 checkpoint_dir_name=f"epoch_{epoch:04d}",
             )
