@@ -6,6 +6,7 @@ registered and answers over the inference endpoint."""
 
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -19,7 +20,8 @@ from raylane.config.layout import replicas
 from raylane.data.parquet import read_rows
 from raylane.train.job import run_training
 
-from .conftest import ROOT, free_port, lm_overrides
+from .conftest import ROOT, free_port, lm_overrides, ray_cli_path
+from .readme_runner import fresh_copy
 
 STEPS = 3
 ROWS = 8  # per replica
@@ -189,3 +191,35 @@ def test_assembled_fsdp_tp_model_is_registered_and_served(fsdp_tp_endpoint, work
     outputs = {o["name"]: o for o in response.json()["outputs"]}
     expected = model(torch.from_numpy(tokens))[:, -1, :].argmax(dim=-1).tolist()
     assert outputs["label"]["data"] == expected
+
+
+@pytest.mark.parametrize("config", ["lm_tp.yaml", "lm_3d.yaml"])
+def test_config_runs_as_a_submitted_job(ray_cluster, workspace, tmp_path, config):
+    """`ray job submit` of pipelines/train.py with the config, as the README submits jobs: the
+    uploaded copy's raylane on every worker, the run in the workspace's MLflow store."""
+    from raylane.jobs import job_runtime_env_json
+
+    copy = fresh_copy(tmp_path / "raylane")
+    client = MlflowClient(tracking_uri=workspace.tracking_uri)
+    experiment = load_config(ROOT / "configs" / "train" / config).experiment
+    found = client.get_experiment_by_name(experiment)
+    before = {r.info.run_id for r in client.search_runs([found.experiment_id])} if found else set()
+    overrides = lm_overrides(
+        workspace, "training.epochs=1", "training.steps_per_epoch=4", "parallelism.torch_threads=1"
+    )
+    command = [
+        ray_cli_path(), "job", "submit", "--address", ray_cluster.dashboard_url,
+        "--working-dir", str(copy),
+        "--runtime-env-json", job_runtime_env_json(workspace.tracking_uri),
+        "--", "python", "pipelines/train.py", "--config", f"configs/train/{config}",
+        *(part for override in overrides for part in ("--set", override)),
+    ]  # fmt: skip
+    result = subprocess.run(
+        command, env=ray_cluster.client_env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0 and "succeeded" in result.stdout, result.stdout[-4000:]
+    experiment_id = client.get_experiment_by_name(experiment).experiment_id
+    (run,) = [r for r in client.search_runs([experiment_id]) if r.info.run_id not in before]
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["val_loss"] < 5.545  # below a uniform guess over 256 bytes (ln 256)
+    assert "working_dir_files" in run.data.tags["raylane.code_path"]  # the uploaded copy ran
