@@ -359,6 +359,64 @@ def tune(
         raise typer.Exit(1)
 
 
+@app.command("plan")
+def plan_layouts(
+    model: Annotated[
+        Path, typer.Option("--model", "-m", help="Training config of the (GPT) model to plan.")
+    ],
+    cluster: Annotated[
+        Path, typer.Option("--cluster", help="Cluster spec YAML (see configs/clusters/).")
+    ],
+    global_batch: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="Sequences per step, all replicas (default: training.batch_size)."
+        ),
+    ] = None,
+    precision: Annotated[
+        str, typer.Option(help="fp32 (what raylane trains with), tf32 or bf16.")
+    ] = "fp32",
+    efficiency: Annotated[
+        float, typer.Option(min=0.01, max=1.0, help="Share of peak FLOP/s matmuls reach.")
+    ] = 0.7,
+    top: Annotated[int, typer.Option(min=1, help="Layouts to show.")] = 5,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Where to write the best layout's config (default: configs/generated/)."),
+    ] = None,
+) -> None:
+    """Predict the best layouts of a model on a cluster that need not exist here (step time,
+    memory per device), from its shape and a hardware catalog; write the winner's config.
+
+    Example: raylane plan --model configs/plan/gpt_1p3b.yaml \\
+    --cluster configs/clusters/a100_4x8.yaml
+    """
+    from raylane.plan.hardware import HardwareError, load_cluster
+    from raylane.plan.report import render, write_config
+    from raylane.plan.search import plan, workload_for
+
+    if precision not in ("fp32", "tf32", "bf16"):
+        raise _fail(f"--precision must be fp32, tf32 or bf16, not {precision!r}")
+    cfg = _load(model, None)
+    try:
+        hardware = load_cluster(cluster)
+        work = workload_for(cfg, global_batch or cfg.training.batch_size, precision)
+    except (HardwareError, ValueError) as exc:
+        raise _fail(str(exc)) from None
+    result = plan(work, hardware, efficiency)
+    if not result.ranked:
+        raise _fail(
+            f"no layout of {work.shape.total() / 1e9:.2f} B parameters fits {hardware.devices} "
+            f"x {hardware.spec.accelerator} ({len(result.pruned)} pruned by memory)",
+            code=1,
+        )
+    out_console = Console()
+    render(result, hardware, efficiency, out_console, top)
+    target = out or Path("configs/generated") / f"{cfg.experiment}-plan.yaml"
+    written = write_config(model, result, target)
+    out_console.print(f"config: {written}", highlight=False)
+
+
 TrackingUriOption = Annotated[
     str | None,
     typer.Option(

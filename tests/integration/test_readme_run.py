@@ -48,6 +48,7 @@ PIPELINES = block("raylane train --config configs/train/lm_pipeline.yaml")
 SHARDED = block("raylane train --config configs/train/lm_tp.yaml")
 CONSISTENCY = block("raylane train --config configs/train/digits_ddp.yaml --set parallelism")
 TUNE = block("raylane tune")
+PLAN = block("raylane plan")
 MLFLOW_UI = block(".venv/bin/mlflow ui")
 REPRODUCE = block("raylane reproduce <run-id>")
 DEPLOY = block("raylane deploy --config")
@@ -195,6 +196,15 @@ def test_tune_block(readme):
     assert float(winner["train_loss"]) < 0.8 * math.log(256), winner
     # One line per trial event, not Tune's status tables with every trial's config.
     assert "Trial status:" not in run.output and "'config': {" not in run.output
+
+
+def test_plan_block(readme):
+    copy, env, _ = readme
+    run = _ok(run_block(PLAN, copy, env, timeout_s=300), PLAN.where)
+    assert "basis: catalog figures for a100-80gb" in run.output, run.output
+    written = copy / "configs" / "generated" / "gpt-1p3b-plan.yaml"
+    cfg = load_config(written)  # the winner is a valid training config for 32 GPUs
+    assert cfg.parallelism.workers == 32 and cfg.parallelism.use_gpu
 
 
 def test_mlflow_ui_block(readme):

@@ -76,6 +76,12 @@ def _raylane(argv: list[str], where: str) -> None:
     except click.ClickException as exc:
         pytest.fail(f"{where}: raylane {' '.join(argv)}: {exc.format_message()}")
     config, sets = ctx.params.get("config"), ctx.params.get("overrides") or []
+    if name == "plan":
+        from raylane.plan.hardware import load_cluster
+
+        load_config(ROOT / ctx.params["model"])
+        load_cluster(ROOT / ctx.params["cluster"])
+        return
     if config is None:
         return
     assert (ROOT / config).is_file(), f"{where}: {config} does not exist"
@@ -123,6 +129,7 @@ def test_block_commands_parse_and_their_configs_validate(block):
 
 USAGE_FILES = sorted(
     [*ROOT.glob("configs/train/*.yaml"), *ROOT.glob("configs/tune/*.yaml"),
+     *ROOT.glob("configs/plan/*.yaml"), *ROOT.glob("configs/clusters/*.yaml"),
      *ROOT.glob("pipelines/[!_]*.py"), ROOT / "serving" / "app.py"]
 )  # fmt: skip
 

@@ -1,0 +1,199 @@
+"""Step time and per-device memory of a GPT training layout, predicted from its shape and the
+cluster's figures.
+
+Compute is the model's FLOPs (Narayanan et al., "Efficient Large-Scale Language Model Training
+on GPU Clusters Using Megatron-LM", SC 2021, eq. 3: 24·B·s·l·h²·(1 + s/6h) + 2·B·s·h·V per
+forward; backward twice that; activation checkpointing recomputes the blocks' forward) shared
+evenly by the devices, at `efficiency` of the accelerator's peak. On top of it, what each
+parallelism adds on the critical path: the pipeline bubble, (p - 1)/m of the compute for GPipe
+and 1F1B; tensor parallelism's all-reduces of each block's activations (two forward, two
+backward, two more when recomputing); the data-parallel gradient all-reduce (FSDP: one
+reduce-scatter and two all-gathers), hidden behind the backward pass where raylane's strategy
+overlaps it (DDP's buckets, FSDP's prefetch) and exposed where it follows it (tp, pipeline);
+pipeline stages' activation sends. Collectives are rings: 2(n - 1)/n of the bytes over the
+slowest link the group spans, plus a latency per ring step.
+
+Activation memory follows Korthikanti et al., "Reducing Activation Recomputation in Large
+Transformer Models" (MLSys 2023), eq. 2: s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes per layer for
+16-bit activations, 2·s·b·h with full recomputation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from raylane.plan.hardware import Cluster, Precision
+from raylane.plan.memory import FP32_ADAM, MIXED_PRECISION_ADAM, GPTShape, ModelState, sharded_state
+
+#: Fraction of the accelerator's peak FLOP/s that the model's matrix multiplications reach.
+#: An assumption, not a measurement: large GEMMs on current GPUs reach 60-80 % of peak.
+DEFAULT_EFFICIENCY = 0.7
+#: Share of device memory a plan may fill (the rest: allocator, workspaces, fragmentation).
+MEMORY_HEADROOM = 0.9
+
+
+@dataclass(frozen=True)
+class Layout:
+    strategy: str  # ddp, fsdp, tp, pipeline, hybrid
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    activation_checkpointing: bool = False
+
+    @property
+    def workers(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def zero_stage(self) -> int:
+        return 3 if self.strategy == "fsdp" else 0
+
+    def describe(self) -> str:
+        parts = [self.strategy, f"dp{self.dp}"]
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}")
+        if self.pp > 1:
+            parts += [f"pp{self.pp}", f"m{self.microbatches}", self.schedule]
+        if self.activation_checkpointing:
+            parts.append("ac")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class Workload:
+    shape: GPTShape
+    n_heads: int
+    global_batch: int  # sequences per optimizer step, all replicas together
+    precision: Precision = "fp32"
+    #: The output layer split over tp (Megatron's vocab-parallel head); raylane keeps it whole.
+    head_split_by_tp: bool = False
+
+    @property
+    def seq(self) -> int:
+        return self.shape.context_length
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of an activation or a communicated value."""
+        return 2 if self.precision == "bf16" else 4
+
+    def model_flops(self, recompute: bool) -> float:
+        """FLOPs of one optimizer step (forward, backward, and the recomputed forward)."""
+        s, h, v = self.seq, self.shape.d_model, self.shape.vocab_size
+        layers = self.shape.n_layers
+        blocks = 24 * self.global_batch * s * layers * h * h * (1 + s / (6 * h))
+        head = 2 * self.global_batch * s * h * v
+        return (4 if recompute else 3) * blocks + 3 * head
+
+
+@dataclass
+class Prediction:
+    layout: Layout
+    step_s: float
+    parts: dict[str, float]
+    state: ModelState
+    activation_bytes: float
+    memory_bytes: float
+    fits: bool
+    tokens_per_s: float
+    flops_per_device: float  # achieved model FLOP/s per device
+    notes: list[str] = field(default_factory=list)
+
+
+def _ring_s(nbytes: float, ranks: int, gbps: float, latency_s: float, passes: float = 2.0) -> float:
+    """A ring collective over `ranks`: `passes` x (n - 1)/n of the bytes over the link.
+    An all-reduce is 2 passes, a reduce-scatter or an all-gather 1."""
+    if ranks <= 1:
+        return 0.0
+    return passes * (ranks - 1) / ranks * nbytes / (gbps * 1e9) + passes * (ranks - 1) * latency_s
+
+
+def predict(
+    work: Workload, layout: Layout, cluster: Cluster, efficiency: float = DEFAULT_EFFICIENCY
+) -> Prediction:
+    shape, spec, device = work.shape, cluster.spec, cluster.device
+    latency = spec.link_latency_us * 1e-6
+    intra, inter = device.intra_node_gbps, device.inter_node_gbps
+    recompute = layout.activation_checkpointing
+    rows = work.global_batch / layout.dp  # per replica per step
+    micro_rows = rows / layout.microbatches
+
+    # Compute, shared by every device; raylane's whole head is computed on every tp worker.
+    flops = work.model_flops(recompute)
+    head = 3 * 2 * work.global_batch * work.seq * shape.d_model * shape.vocab_size
+    per_device = (flops - head) / layout.workers + head / (
+        layout.workers if work.head_split_by_tp else layout.dp * layout.pp
+    )
+    compute = per_device / (device.peak_flops[work.precision] * efficiency)
+    bubble = compute * (layout.pp - 1) / layout.microbatches
+
+    # Tensor parallel: each block's activations all-reduced on the critical path.
+    activation = micro_rows * work.seq * shape.d_model * work.value_bytes
+    tp_link = intra if layout.tp <= spec.devices_per_node else inter
+    per_block = 6 if recompute else 4
+    tp_comm = (
+        (shape.n_layers / layout.pp)
+        * layout.microbatches
+        * per_block
+        * _ring_s(activation, layout.tp, tp_link, latency)
+    )
+
+    # Data parallel: this device's gradients (FSDP: reduce-scatter + 2 all-gathers).
+    params = shape.params_per_device(tp=layout.tp, pp=layout.pp, stage=0)
+    dp_link = inter if layout.workers > spec.devices_per_node else intra
+    passes = 3.0 if layout.zero_stage == 3 else 2.0
+    dp_total = _ring_s(params * work.value_bytes, layout.dp, dp_link, latency, passes)
+    overlapped = layout.strategy in ("ddp", "fsdp")
+    dp_comm = max(dp_total - compute * 2 / 3, 0.0) if overlapped else dp_total
+
+    # Pipeline: each micro-batch's activations forward and gradients back across a boundary.
+    pp_link = inter if layout.tp * layout.pp > spec.devices_per_node else intra
+    pp_comm = 0.0
+    if layout.pp > 1:
+        pp_comm = 2 * layout.microbatches * (activation / (pp_link * 1e9) + latency)
+
+    parts = {
+        "compute": compute,
+        "bubble": bubble,
+        "tp_comm": tp_comm,
+        "dp_comm": dp_comm,
+        "pp_comm": pp_comm,
+    }
+    step = sum(parts.values())
+
+    per_param = MIXED_PRECISION_ADAM if work.precision == "bf16" else FP32_ADAM
+    state = sharded_state(params, layout.dp, layout.zero_stage, per_param)
+    activations = _activation_bytes(work, layout, micro_rows)
+    memory = state.total + activations
+    fits = memory <= device.memory_gb * 1e9 * MEMORY_HEADROOM
+    return Prediction(
+        layout=layout,
+        step_s=step,
+        parts=parts,
+        state=state,
+        activation_bytes=activations,
+        memory_bytes=memory,
+        fits=fits,
+        tokens_per_s=work.global_batch * work.seq / step,
+        flops_per_device=work.model_flops(recompute) / step / layout.workers,
+    )
+
+
+def _activation_bytes(work: Workload, layout: Layout, micro_rows: float) -> float:
+    """Peak activations on the first device (the first pipeline stage holds the most)."""
+    s, h, a, t = work.seq, work.shape.d_model, work.n_heads, layout.tp
+    scale = work.value_bytes / 2  # the formula counts 16-bit activations
+    if layout.activation_checkpointing:
+        per_layer = 2 * s * micro_rows * h * scale
+    else:
+        per_layer = s * micro_rows * h * (10 + 24 / t + 5 * a * s / (h * t)) * scale
+    if layout.pp == 1:
+        in_flight = 1
+    elif layout.schedule == "gpipe":
+        in_flight = layout.microbatches
+    else:
+        in_flight = min(layout.pp, layout.microbatches)
+    logits = s * micro_rows * work.shape.vocab_size * 4 * 2  # fp32 logits and their softmax
+    return per_layer * (work.shape.n_layers / layout.pp) * in_flight + logits

@@ -1,0 +1,69 @@
+"""What `raylane plan` prints and writes: the ranked layouts, what they rest on, the config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from raylane.config import load_config
+from raylane.config.loader import config_to_yaml
+from raylane.plan.hardware import Cluster
+from raylane.plan.search import Plan, config_overrides
+
+
+def render(result: Plan, cluster: Cluster, efficiency: float, console: Console, top: int) -> None:
+    work, spec, device = result.workload, cluster.spec, cluster.device
+    console.print(
+        f"{work.shape.total() / 1e9:.2f} B parameters, {work.global_batch} x {work.seq} tokens "
+        f"per step, {work.precision}; {spec.nodes} x {spec.devices_per_node} "
+        f"{spec.accelerator} ({cluster.devices} devices)",
+        highlight=False,
+    )
+    table = Table(title=f"best {min(top, len(result.ranked))} of {len(result.ranked)} layouts")
+    for column in ("#", "layout", "step s", "tokens/s", "TFLOP/s/dev", "memory GB"):
+        table.add_column(column, justify="left" if column == "layout" else "right")
+    for column in ("compute", "bubble", "tp comm", "dp comm", "pp comm"):
+        table.add_column(column, justify="right")
+    for rank, prediction in enumerate(result.ranked[:top], start=1):
+        parts = prediction.parts
+        table.add_row(
+            str(rank),
+            prediction.layout.describe(),
+            f"{prediction.step_s:.3f}",
+            f"{prediction.tokens_per_s:,.0f}",
+            f"{prediction.flops_per_device / 1e12:.1f}",
+            f"{prediction.memory_bytes / 1e9:.1f}",
+            *(f"{parts[k]:.3f}" for k in ("compute", "bubble", "tp_comm", "dp_comm", "pp_comm")),
+        )
+    console.print(table)
+    if result.pruned:
+        layout, reason = min(result.pruned, key=lambda pair: pair[0].workers)
+        console.print(
+            f"pruned {len(result.pruned)} layouts that do not fit, e.g. "
+            f"{layout.describe()}: {reason}",
+            highlight=False,
+        )
+    console.print(
+        f"basis: {cluster.basis} figures for {spec.accelerator} (peak "
+        f"{device.peak_flops[work.precision] / 1e12:g} TFLOP/s {work.precision}, "
+        f"{device.memory_gb:g} GB, links {device.intra_node_gbps:g} GB/s in a node and "
+        f"{device.inter_node_gbps:g} GB/s between nodes) and the assumption that matrix "
+        f"multiplications reach {efficiency:.0%} of peak; nothing here was measured on that "
+        "cluster.",
+        highlight=False,
+    )
+
+
+def write_config(base: Path, result: Plan, path: Path) -> Path:
+    """The fastest layout as a runnable training config (validated before it is written)."""
+    best = result.ranked[0]
+    cfg = load_config(base, config_overrides(best, result.workload))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = (
+        f"# raylane plan: {best.layout.describe()} on {best.layout.workers} GPUs, predicted "
+        f"{best.step_s:.3f} s per step, {best.memory_bytes / 1e9:.1f} GB per device.\n"
+    )
+    path.write_text(header + config_to_yaml(cfg))
+    return path
