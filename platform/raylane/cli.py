@@ -425,6 +425,45 @@ TrackingUriOption = Annotated[
 ]
 
 
+@app.command("profile")
+def profile_cluster(
+    config: ConfigOption = DEFAULT_CONFIG,
+    overrides: SetOption = None,
+    refresh: Annotated[
+        bool, typer.Option(help="Measure again even if this model and cluster were profiled.")
+    ] = False,
+    verbose: VerboseOption = False,
+) -> None:
+    """Measure what the config's GPT blocks and the worker group's links cost (a short Ray
+    Train job); log it to MLflow and reuse it while model and cluster are unchanged.
+
+    Example: raylane profile --config configs/train/lm_pipeline.yaml
+    """
+    _setup_logging(verbose)
+    from raylane.plan.profile_job import load_or_measure
+    from raylane.runtime import connect_ray, disconnect_ray
+    from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
+
+    cfg = _load(config, overrides)
+    if cfg.model.kind != "gpt":
+        raise _fail(f"model.kind must be 'gpt' to profile its blocks, not '{cfg.model.kind}'")
+    tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
+    started = False
+    try:
+        check_tracking_reachable(tracking_uri)
+        started = connect_ray()
+        found, run_id, reused = load_or_measure(cfg, tracking_uri, refresh)
+    except _user_errors() as exc:
+        raise _fail(str(exc)) from None
+    finally:
+        disconnect_ray(started)
+    from raylane.plan.report import render_profile
+
+    out = Console()
+    render_profile(found, reused, out)
+    out.print(f"MLflow run {run_id}", highlight=False)
+
+
 @app.command()
 def compare(
     run_a: Annotated[str, typer.Argument(help="MLflow run id.")],

@@ -160,8 +160,9 @@ def test_sharded_block(readme):
         assert found.data.params["parallelism.workers"] == str(workers)
         assert found.data.metrics["val_loss"] < math.log(256)  # better than a uniform guess
         assert found.data.metrics["worker_param_mb"] > 0
-        checkpoint = re.search(r"checkpoint\s+(\S+epoch_\d{4})", command.output).group(1)
-        assert (Path(checkpoint) / "sharded" / ".metadata").is_file(), checkpoint
+        # The summary table's row: "checkpoint │ <path>/epoch_NNNN".
+        checkpoint = copy / re.findall(r"checkpoint[\s│]+(\S+epoch_\d{4})", command.output)[-1]
+        assert (checkpoint / "sharded" / ".metadata").is_file(), checkpoint
 
 
 def test_consistency_block(readme):

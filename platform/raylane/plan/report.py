@@ -67,3 +67,20 @@ def write_config(base: Path, result: Plan, path: Path) -> Path:
     )
     path.write_text(header + config_to_yaml(cfg))
     return path
+
+
+def render_profile(found: dict, reused: bool, console: Console) -> None:
+    how = "reused" if reused else "measured"
+    table = Table(title=f"profile of {found['workers']} workers ({how})")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for rows, seconds in sorted(found["block_s"].items(), key=lambda kv: int(kv[0])):
+        table.add_row(f"one block, forward + backward, {rows} rows", f"{seconds * 1e3:.2f} ms")
+    table.add_row("achieved compute per worker", f"{found['block_flops_per_s'] / 1e9:.2f} GFLOP/s")
+    for link, label in (("all_reduce", "all-reduce"), ("p2p", "point-to-point")):
+        fit = found[link]
+        if fit is not None:
+            beta = fit["beta_s_per_byte"]
+            bandwidth = f"{1 / beta / 1e9:.2f} GB/s" if beta > 0 else "not measurable"
+            table.add_row(f"{label}: alpha, 1/beta", f"{fit['alpha_s'] * 1e6:.0f} us, {bandwidth}")
+    console.print(table)
