@@ -20,7 +20,7 @@ Transformer Models" (MLSys 2023), eq. 2: s·b·h·(10 + 24/t + 5·a·s/(h·t)) b
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from raylane.plan.hardware import Cluster, Precision
 from raylane.plan.memory import FP32_ADAM, MIXED_PRECISION_ADAM, GPTShape, ModelState, sharded_state
@@ -99,7 +99,6 @@ class Prediction:
     fits: bool
     tokens_per_s: float
     flops_per_device: float  # achieved model FLOP/s per device
-    notes: list[str] = field(default_factory=list)
 
 
 def _ring_s(nbytes: float, ranks: int, gbps: float, latency_s: float, passes: float = 2.0) -> float:
