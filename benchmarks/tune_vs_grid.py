@@ -1,11 +1,15 @@
 """The planner (Ray Tune + ASHA) against an exhaustive grid of the same valid layouts.
 
 Side by side in one run, on one fixed search space over the byte-level GPT: the grid measures
-every valid layout for the full trial length (no early stopping); the planner measures the same
-layouts with ASHA stopping clearly slower ones early. Both run one trial at a time on the same
-local Ray. best_ratio = the grid's full-length throughput of the planner's pick / the grid's
-best throughput (the same measurement for both, so noise between runs does not enter);
-cost_ratio = planner wall time / grid wall time. The last line is one JSON object.
+every valid layout for the full trial length (no prediction, no early stopping); the planner
+profiles the model once, predicts every layout, and measures only the top k (3) under ASHA.
+Both run one trial at a time on the same local Ray. best_ratio = the grid's full-length
+throughput of the planner's pick / the grid's best throughput (the same measurement for both,
+so noise between runs does not enter); cost_ratio = planner wall time (profile included) /
+grid wall time; median_pred_error = median over every grid layout of |planner's predicted -
+grid's measured| / measured step time (median of the measured epochs); the raw figure is the
+same before the planner's one-factor calibration by its first trial. The last line is one
+JSON object.
 
     python benchmarks/tune_vs_grid.py [--epochs 6] [--steps 6]
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -26,7 +31,7 @@ from raylane.tune.spec import TuneSpec
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def make_spec(workdir: Path, epochs: int, steps: int, scheduler: str) -> TuneSpec:
+def make_spec(workdir: Path, epochs: int, steps: int, scheduler: str, top_k: int = 3) -> TuneSpec:
     return TuneSpec.model_validate(
         {
             "experiment": f"bench-{scheduler}",
@@ -45,6 +50,7 @@ def make_spec(workdir: Path, epochs: int, steps: int, scheduler: str) -> TuneSpe
             },
             "trial": {"epochs": epochs, "steps_per_epoch": steps, "warmup_epochs": 1},
             "scheduler": {"kind": scheduler, "grace_period": 2, "reduction_factor": 3},
+            "predict": {"enabled": scheduler != "none", "top_k": top_k},
             "output_dir": str(workdir / "out"),
             "storage_path": str(workdir / f"runs-{scheduler}"),
             "tracking_uri": f"sqlite:///{workdir}/mlflow.db",
@@ -56,6 +62,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=6, help="Full trial length (epochs).")
     parser.add_argument("--steps", type=int, default=6, help="Steps per epoch.")
+    parser.add_argument("--top-k", type=int, default=3, help="Layouts the planner measures.")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
 
@@ -69,7 +76,7 @@ def main() -> None:
         ray.init(num_cpus=2, logging_level="ERROR", log_to_driver=False)
         try:
             grid = run_search(make_spec(workdir, args.epochs, args.steps, "none"))
-            planner = run_search(make_spec(workdir, args.epochs, args.steps, "asha"))
+            planner = run_search(make_spec(workdir, args.epochs, args.steps, "asha", args.top_k))
         finally:
             ray.shutdown()
     print_table(grid, console)
@@ -78,6 +85,23 @@ def main() -> None:
     grid_rate = {t.candidate.key: t.samples_per_s for t in grid.trials if t.status == "ok"}
     best_key = max(grid_rate, key=grid_rate.get)
     pick = planner.winner
+    scale = planner.calibration.step_scale if planner.calibration else 1.0
+    predicted = {t.candidate.key: t.predicted for t in [*planner.trials, *planner.not_run]}
+    errors, raw_errors = {}, {}
+    for trial in grid.trials:
+        guess = predicted.get(trial.candidate.key)
+        if trial.step_ms and guess is not None:
+            errors[trial.candidate.key] = (guess.step_ms - trial.step_ms) / trial.step_ms
+            raw_errors[trial.candidate.key] = (
+                guess.step_ms / scale - trial.step_ms
+            ) / trial.step_ms
+    measured_ms = {t.candidate.key: t.step_ms for t in grid.trials}
+    for key, error in errors.items():
+        print(
+            f"{key}: measured {measured_ms[key]:.1f} ms, predicted "
+            f"{predicted[key].step_ms:.1f} ms ({error:+.0%}; before calibration "
+            f"{raw_errors[key]:+.0%})"
+        )
     figures = {
         "layouts": len(grid.trials),
         "grid_best": best_key,
@@ -90,6 +114,11 @@ def main() -> None:
         "planner_wall_s": round(planner.wall_s, 1),
         "best_ratio": round(grid_rate[pick.candidate.key] / grid_rate[best_key], 3),
         "cost_ratio": round(planner.wall_s / grid.wall_s, 3),
+        "planner_measured": len(planner.trials),
+        "profile_s": round(planner.profile_s, 1),
+        "step_scale": round(scale, 3),
+        "median_pred_error_raw": round(statistics.median(abs(e) for e in raw_errors.values()), 3),
+        "median_pred_error": round(statistics.median(abs(e) for e in errors.values()), 3),
     }
     print(
         f"grid: {figures['layouts']} layouts in {figures['grid_wall_s']} s, best {best_key}; "

@@ -61,12 +61,27 @@ class MlflowServer:
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
+    """The server, and afterwards the process's MLflow URIs as they were: the jobs here point
+    this process's MLflow at the server, which later modules must not inherit."""
+    from mlflow.tracking._model_registry import utils as registry_utils
+    from mlflow.tracking._tracking_service import utils as tracking_utils
+
+    # The URIs as set (None: unset, derived), not as resolved.
+    saved_uris = tracking_utils._tracking_uri, registry_utils._registry_uri
+    saved_env = {k: os.environ.get(k) for k in ("MLFLOW_TRACKING_URI", "MLFLOW_REGISTRY_URI")}
     server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
     server.start()
     try:
         yield server.url
     finally:
         server.stop()
+        tracking_utils.set_tracking_uri(saved_uris[0])  # None unsets it
+        registry_utils._registry_uri = saved_uris[1]
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def test_training_job_logs_registers_and_aliases_over_http(second_node, workspace, mlflow_server):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from mlflow.tracking import MlflowClient
 
 from raylane.config import load_config
-from raylane.plan.profile_job import load_or_measure, measured_cluster
+from raylane.plan.profile_job import load_or_measure, measured_cluster, profile_key
 
 from .conftest import ROOT, lm_overrides
 
@@ -23,16 +23,29 @@ def test_profile_measures_once_then_is_reused(ray_cluster, workspace):
             "parallelism.resources_per_worker.CPU=0.25",
         ),
     )
-    found, run_id, reused = load_or_measure(cfg, workspace.tracking_uri)
-    assert not reused and found["workers"] == 2
-    assert found["block_s"]["8"] > found["block_s"]["1"] > 0  # more rows take longer
+    found, run_id, reused = load_or_measure(cfg, workspace.tracking_uri, concurrency=[1, 2])
+    assert not reused and found["workers"] == 2 and set(found["levels"]) == {"1", "2"}
+    for level in found["levels"].values():
+        assert level["block_s"]["32"] > level["block_s"]["2"] > 0  # more rows take longer
+        assert level["block"]["per_row_s"] > 0 and level["optimizer_s_per_param"] > 0
+    pair = found["levels"]["2"]
+    assert pair["all_reduce"]["beta_s_per_byte"] > 0 and found["p2p"] is not None
+    assert pair["ddp_wait"]["fixed_s"] + pair["ddp_wait"]["per_row_s"] > 0
+    assert pair["schedules"]["gpipe"]["per_row_s"] > 0  # each micro-batch costs the schedule
+    assert "all_reduce" not in found["levels"]["1"]
     assert found["block_flops_per_s"] > 1e8
-    assert found["all_reduce"]["beta_s_per_byte"] > 0 and found["p2p"] is not None
+    # A block saves more per row than the ends (logits) do; both are positive.
+    assert found["block_activation_bytes_per_row"] > found["ends_activation_bytes_per_row"] > 0
+    assert 100 < found["baseline_rss_mb"] < 4000
 
     run = MlflowClient(tracking_uri=workspace.tracking_uri).get_run(run_id)
     assert run.data.metrics["block_flops_per_s"] == found["block_flops_per_s"]
-    again, again_id, reused_again = load_or_measure(cfg, workspace.tracking_uri)
+    again, again_id, reused_again = load_or_measure(
+        cfg, workspace.tracking_uri, concurrency=[2, 1]
+    )
     assert reused_again and again_id == run_id and again == found
+    # Other worker counts are another profile.
+    assert profile_key(cfg, [1, 2]) != profile_key(cfg, [2])
 
     cluster = measured_cluster(found, memory_gb=8)
     assert cluster.basis == "measured" and cluster.devices == 2

@@ -1,4 +1,5 @@
-"""A small real parallelism search on the session cluster: trials are real Ray Train jobs."""
+"""A small real parallelism search on the session cluster: the model is profiled by a real
+Ray Train job, every layout predicted, and the top k measured as real Ray Train jobs."""
 
 from __future__ import annotations
 
@@ -28,11 +29,14 @@ def search(ray_cluster, workspace):
             "search": {
                 "strategy": ["ddp"],
                 "workers": [2, 8],  # 8 x 0.5 CPU is over the 2-CPU budget: pruned
-                "batch_size": [16],
+                "batch_size": [16, 32],
                 # A checkpoint that does not exist: that trial fails at run time.
                 "extra": {"training.resume_from": [None, str(workspace.root / "missing")]},
             },
             "trial": {"epochs": 3, "steps_per_epoch": 4},
+            # Four valid layouts (two batch sizes x two checkpoints): the two predicted fastest
+            # share a batch size, and one of them crashes.
+            "predict": {"top_k": 2},
             "output_dir": str(workspace.root / "generated"),
             "storage_path": str(workspace.root / "tune-runs"),
             "tracking_uri": workspace.tracking_uri,
@@ -54,11 +58,37 @@ def test_search_measures_trials_and_survives_a_crashed_one(search):
     assert winner.samples_per_s == max(t.samples_per_s for t in measured)
 
 
+def test_only_the_top_k_predicted_are_measured_and_predictions_sit_next_to_measurements(
+    search, workspace
+):
+    spec, result = search
+    outcome = result.outcome
+    launched = [t.predicted.samples_per_s for t in outcome.trials]
+    skipped = [t.predicted.samples_per_s for t in outcome.not_run]
+    assert len(launched) == 2 and len(skipped) == 2
+    assert min(launched) >= max(skipped)  # the measured ones were predicted fastest
+    assert {t.status for t in outcome.not_run} == {"not run"}
+    batch = {t.candidate.overrides["training.batch_size"] for t in outcome.trials}
+    assert len(batch) == 1  # both measured trials share the predicted-faster batch size
+
+    # The one trial that ran calibrates the rest; its prediction then equals its measurement.
+    (ok,) = [t for t in outcome.trials if t.status == "ok"]
+    assert outcome.calibration is not None and outcome.calibration.layout == ok.candidate.key
+    assert ok.step_ms > 0 and ok.predicted.step_ms == pytest.approx(ok.step_ms)
+    assert 0.2 < outcome.calibration.step_scale < 5  # the profile is the right magnitude
+
+    # The profile is a run of its own, found again by its key.
+    profile = MlflowClient(tracking_uri=workspace.tracking_uri).get_run(outcome.profile_run_id)
+    assert profile.data.metrics["block_flops_per_s"] > 1e8
+    assert outcome.profile_s > 0
+
+
 def test_outputs_csv_plot_and_nested_mlflow_runs(search, workspace):
     spec, result = search
     with result.csv_path.open() as handle:
         table = list(csv.DictReader(handle))
-    assert {row["status"] for row in table} >= {"ok", "failed", "pruned"}
+    assert {row["status"] for row in table} >= {"ok", "failed", "pruned", "not run"}
+    assert all(float(row["predicted_step_ms"]) > 0 for row in table if row["status"] != "pruned")
     assert table[0]["layout"] == result.outcome.winner.candidate.key
     assert result.plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -71,7 +101,8 @@ def test_outputs_csv_plot_and_nested_mlflow_runs(search, workspace):
         [parent.info.experiment_id],
         filter_string=f"tags.mlflow.parentRunId = '{result.mlflow_run_id}'",
     )
-    assert len(children) == 2
+    assert len(children) == 4  # two measured, two predicted only
     ok = [c for c in children if c.data.tags["raylane.trial_status"] == "ok"]
     assert all(c.data.metrics["samples_per_s"] > 0 for c in ok)
+    assert all(c.data.metrics["predicted_step_ms"] > 0 for c in children)
     assert all("parallelism.workers" in c.data.params for c in children)

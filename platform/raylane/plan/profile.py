@@ -1,24 +1,42 @@
-"""Profile once: what a model's blocks cost to compute and what the cluster's links cost,
-measured by a short Ray Train job on the cluster itself.
+"""Profile once: what a model's parts cost to compute and hold, and what the cluster's links
+cost, measured by a short Ray Train job on the cluster itself.
 
-Every worker times one transformer block's forward and backward at a few micro-batch sizes
-(achieved FLOP/s, by Megatron's FLOPs of a block) and the worker group's collectives at several
-sizes: an all-reduce over all workers and a point-to-point exchange between ranks 0 and 1, each
-fitted as alpha + beta * bytes. The figures feed the same cost model as catalog figures do,
-as a cluster whose basis is 'measured'.
+For every worker count `k` a search may use (the concurrency levels), the first `k` workers of
+the job measure at the same time, with the torch threads a `k`-worker run gets, so that workers
+sharing a node's cores are measured sharing them:
+
+* one transformer block's forward+backward and forward alone, and the model's ends (embeddings,
+  final norm, head and loss), at a few row counts, fitted as fixed + per-row seconds;
+* an optimizer step, per parameter;
+* an all-reduce over the `k` workers at several sizes, fitted as alpha + beta * bytes;
+* the whole model under DistributedDataParallel over the `k` workers, timed as raylane's data
+  parallel strategy times it: what backward waits for after its last gradient bucket is ready
+  (the all-reduce, the hook, and the workers' skew), at a few row counts;
+* torch's pipeline schedules (GPipe and 1F1B) between ranks 0 and 1 on a one-layer stage at a
+  few micro-batch counts: the schedule's own cost per micro-batch (sends, receives, its Python).
+
+Once, at full concurrency: a point-to-point exchange between ranks 0 and 1 (alpha + beta), the
+bytes autograd saves per row in a block and in the ends (activation memory), and the worker's
+resident memory before any model exists. The cost model (`raylane.plan.measured`) composes
+these into every layout's step time and memory.
 """
 
 from __future__ import annotations
 
+import resource
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-MICRO_ROWS = (1, 2, 4, 8)
+ROWS = (2, 8, 32)
+MICROBATCHES = (2, 8)
+SCHEDULE_ROWS = 2
 SIZES = tuple(4**k * 1024 for k in range(1, 7))  # 4 KiB .. 4 MiB
 REPEATS = 5
+WARMUP = 3
+SETTLE_S = 3.0
 
 
 @dataclass(frozen=True)
@@ -32,17 +50,19 @@ class LinkFit:
     def gbps(self) -> float:
         return 1 / self.beta_s_per_byte / 1e9 if self.beta_s_per_byte > 0 else float("inf")
 
+    def seconds(self, nbytes: float) -> float:
+        return self.alpha_s + self.beta_s_per_byte * nbytes
+
 
 @dataclass(frozen=True)
-class Profile:
-    workers: int
-    block_s: dict[str, float]  # rows per micro-batch -> forward + backward of one block
-    block_flops_per_s: float  # achieved, at the largest micro-batch
-    all_reduce: LinkFit | None  # None with one worker
-    p2p: LinkFit | None
+class ComputeFit:
+    """Seconds for `rows` = fixed_s + per_row_s * rows (the fixed part: per-op overhead)."""
 
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+    fixed_s: float
+    per_row_s: float
+
+    def seconds(self, rows: float) -> float:
+        return self.fixed_s + self.per_row_s * rows
 
 
 def block_train_flops(rows: int, seq: int, width: int) -> float:
@@ -50,16 +70,17 @@ def block_train_flops(rows: int, seq: int, width: int) -> float:
     return 3 * 24 * rows * seq * width * width * (1 + seq / (6 * width))
 
 
-def fit_line(sizes: list[float], seconds: list[float]) -> LinkFit:
-    """Least-squares alpha + beta * size, both clamped at zero."""
+def fit_line(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
+    """Least-squares intercept and slope, both clamped at zero."""
     import numpy as np
 
-    beta, alpha = np.polyfit(np.asarray(sizes, float), np.asarray(seconds, float), 1)
-    return LinkFit(alpha_s=max(float(alpha), 0.0), beta_s_per_byte=max(float(beta), 0.0))
+    slope, intercept = np.polyfit(np.asarray(sizes, float), np.asarray(seconds, float), 1)
+    return max(float(intercept), 0.0), max(float(slope), 0.0)
 
 
 def _median_s(step: Callable[[], None], repeats: int = REPEATS) -> float:
-    step()  # warm-up
+    for _ in range(WARMUP):
+        step()
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
@@ -68,37 +89,167 @@ def _median_s(step: Callable[[], None], repeats: int = REPEATS) -> float:
     return statistics.median(times)
 
 
-def _time_block(cfg) -> dict[int, float]:
+def _parts(cfg):
+    """A block and the model's ends (a GPT without blocks), as the training run builds them."""
+    from raylane.models.gpt import GPT, Block
+
+    m = cfg.model
+    return Block(m.d_model, m.n_heads), GPT(m.num_classes, m.input_dim, m.d_model, m.n_heads, 0)
+
+
+def _time_compute(cfg) -> dict[str, dict[int, float]]:
     import torch
+    import torch.nn.functional as F
 
-    from raylane.models.gpt import Block
+    m = cfg.model
+    block, ends = _parts(cfg)
+    found: dict[str, dict[int, float]] = {"block": {}, "block_forward": {}, "ends": {}}
+    for rows in ROWS:
+        hidden = torch.randn(rows, m.input_dim, m.d_model, requires_grad=True)
+        tokens = torch.randint(0, m.num_classes, (rows, m.input_dim))
 
-    model = cfg.model
-    block = Block(model.d_model, model.n_heads)
-    found = {}
-    for rows in MICRO_ROWS:
-        inputs = torch.randn(rows, model.input_dim, model.d_model, requires_grad=True)
+        def train_block(hidden=hidden):
+            block(hidden).sum().backward()
 
-        def step(inputs=inputs):
-            block(inputs).sum().backward()
+        def forward_block(hidden=hidden):
+            with torch.no_grad():
+                block(hidden)
 
-        found[rows] = _median_s(step)
+        def train_ends(tokens=tokens):
+            logits = ends(tokens)
+            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)).backward()
+
+        found["block"][rows] = _median_s(train_block)
+        found["block_forward"][rows] = _median_s(forward_block)
+        found["ends"][rows] = _median_s(train_ends)
     return found
 
 
-def _time_collectives(rank: int, world: int) -> tuple[dict[int, float], dict[int, float]]:
+def _time_optimizer(cfg) -> float:
+    """Seconds per parameter of one optimizer step (and zeroing the gradients)."""
+    import torch
+
+    from raylane.models import build_model
+    from raylane.train.optim import build_optimizer
+
+    model = build_model(cfg.model)
+    params = list(model.parameters())
+    for p in params:
+        p.grad = torch.randn_like(p)
+    training = cfg.training
+    optimizer = build_optimizer(params, training.optimizer, training.lr, training.weight_decay)
+
+    def step():
+        optimizer.step()
+        for p in params:
+            p.grad.normal_()
+
+    return _median_s(step) / sum(p.numel() for p in params)
+
+
+def _saved_bytes_per_row(module, make_input) -> float:
+    """Bytes autograd saves for backward in one forward, per row (from two row counts)."""
+    import torch
+
+    def saved(rows: int) -> int:
+        total = 0
+
+        def pack(tensor):
+            nonlocal total
+            total += tensor.numel() * tensor.element_size()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            module(make_input(rows))
+        return total
+
+    return (saved(8) - saved(4)) / 4
+
+
+def _time_collectives(rank: int, group, sizes=SIZES) -> dict[int, float]:
     import torch
     import torch.distributed as dist
 
-    all_reduce, p2p = {}, {}
-    for size in SIZES:
+    found = {}
+    for size in sizes:
         tensor = torch.zeros(size // 4)
 
         def reduce(tensor=tensor):
-            dist.all_reduce(tensor)
+            dist.all_reduce(tensor, group=group)
 
-        dist.barrier()
-        all_reduce[size] = _median_s(reduce)
+        found[size] = _median_s(reduce)
+    return found
+
+
+def _time_ddp(cfg, group) -> dict[int, float]:
+    """Seconds per step that backward waits for gradients after its last bucket is ready,
+    under DDP on `group`, measured as `raylane.parallel.ddp` measures it in a run."""
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    from raylane.models import build_model
+    from raylane.parallel.grad_compression import register_compression
+
+    m = cfg.model
+    model = DistributedDataParallel(build_model(m), process_group=group)
+    meter = register_compression(model, "none", 0.01)
+    found = {}
+    for rows in ROWS:
+        tokens = torch.randint(0, m.num_classes, (rows, m.input_dim))
+        waits = []
+        for _ in range(REPEATS + 1):
+            model.zero_grad(set_to_none=True)
+            logits = model(tokens)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1))
+            started = time.perf_counter()
+            loss.backward()
+            done = time.perf_counter()
+            ready = meter.take_last_ready()
+            waits.append(done - ready if ready is not None and ready > started else 0.0)
+        found[rows] = statistics.median(waits[1:])
+    return found
+
+
+def _time_schedules(cfg, rank: int, group) -> dict[str, dict[int, float]]:
+    """Seconds per step of each pipeline schedule over two one-layer stages (ranks 0, 1):
+    almost all of it is the schedule's own cost."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage
+
+    from raylane.parallel.pipeline import SCHEDULES
+
+    width = cfg.model.d_model
+    stage = PipelineStage(torch.nn.Linear(width, width), rank, 2, torch.device("cpu"), group=group)
+    found: dict[str, dict[int, float]] = {}
+    for name, schedule_cls in SCHEDULES.items():
+        found[name] = {}
+        for micro in MICROBATCHES:
+            schedule = schedule_cls(
+                stage,
+                n_microbatches=micro,
+                loss_fn=lambda out, target: (out - target).pow(2).mean(),
+            )
+            rows = SCHEDULE_ROWS * micro
+            inputs = torch.randn(rows, cfg.model.input_dim, width)
+
+            def step(schedule=schedule, inputs=inputs):
+                if rank == 0:
+                    schedule.step(inputs)
+                else:
+                    schedule.step(target=torch.zeros_like(inputs))
+
+            found[name][micro] = _median_s(step)
+    return found
+
+
+def _time_p2p(rank: int) -> dict[int, float]:
+    import torch
+    import torch.distributed as dist
+
+    found = {}
+    for size in SIZES:
+        tensor = torch.zeros(size // 4)
 
         def exchange(tensor=tensor):
             # One round trip between ranks 0 and 1; the others wait at the next barrier.
@@ -110,13 +261,13 @@ def _time_collectives(rank: int, world: int) -> tuple[dict[int, float], dict[int
                 dist.send(tensor, 0)
 
         dist.barrier()
-        p2p[size] = _median_s(exchange) / 2
-    return all_reduce, p2p
+        found[size] = _median_s(exchange) / 2
+    return found
 
 
 def profile_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     """What each Ray Train worker of the profile job runs; rank 0 returns the figures (the
-    median over workers)."""
+    median over the workers that measured)."""
     import ray.train
     import torch
     import torch.distributed as dist
@@ -124,39 +275,121 @@ def profile_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     from raylane.config import RaylaneConfig
     from raylane.train.loop import worker_threads
 
+    # The worker group's start-up (its processes importing, Ray Train's controller) holds the
+    # cores for the first seconds; measuring then would read several times too slow.
+    time.sleep(SETTLE_S)
+    baseline_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     cfg = RaylaneConfig.model_validate(loop_config["config"])
+    levels: list[int] = loop_config.get("concurrency") or [cfg.parallelism.workers]
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
-    torch.set_num_threads(worker_threads(cfg, context.get_local_world_size()))
     torch.manual_seed(cfg.training.seed)
-    mine = {"block": _time_block(cfg)}
-    if world > 1:
-        mine["all_reduce"], mine["p2p"] = _time_collectives(rank, world)
+    distributed = world > 1 and dist.is_initialized()
+    # Every group up front (creating one is collective); ranks sit out a level sleeping on
+    # the store, so that they leave the cores to the ranks measuring.
+    groups = {k: dist.new_group(list(range(k))) for k in levels if distributed and k > 1}
+    pair = groups.get(2) or (dist.new_group([0, 1]) if distributed else None)
+    mine: dict[str, Any] = {"baseline_rss_mb": baseline_rss_mb, "levels": {}}
+    for k in levels:
+        if rank < k:
+            torch.set_num_threads(worker_threads(cfg, k))
+            level = {"compute": _time_compute(cfg), "optimizer": _time_optimizer(cfg)}
+            if k in groups:
+                level["all_reduce"] = _time_collectives(rank, groups[k])
+                level["ddp"] = _time_ddp(cfg, groups[k])
+            if k >= 2 and rank < 2:
+                level["schedules"] = _time_schedules(cfg, rank, pair)
+            mine["levels"][k] = level
+        _wait_for_level(rank, k, distributed)
+    torch.set_num_threads(worker_threads(cfg, world))
+    if distributed:
+        dist.barrier()
+        mine["p2p"] = _time_p2p(rank)
         gathered: list[dict] = [{} for _ in range(world)]
         dist.all_gather_object(gathered, mine)
     else:
         gathered = [mine]
     if rank != 0:
         return None
-    return summarise(gathered, cfg.model.input_dim, cfg.model.d_model)
+    return summarise(gathered, cfg)
 
 
-def summarise(records: list[dict], seq: int, width: int) -> dict[str, Any]:
-    def median_of(key: str) -> dict[int, float]:
-        return {size: statistics.median(r[key][size] for r in records) for size in records[0][key]}
+def _wait_for_level(rank: int, k: int, distributed: bool) -> None:
+    """Every rank waits until the `k` measuring ranks are done, polling the rendezvous store
+    with sleeps (a collective barrier would keep the idle ranks spinning on the cores)."""
+    if not distributed:
+        return
+    import torch.distributed as dist
 
-    block = median_of("block")
-    largest = max(block)
-    profile = Profile(
-        workers=len(records),
-        block_s={str(rows): seconds for rows, seconds in block.items()},  # JSON keys
-        block_flops_per_s=block_train_flops(largest, seq, width) / block[largest],
-        all_reduce=_fit(median_of("all_reduce")) if "all_reduce" in records[0] else None,
-        p2p=_fit(median_of("p2p")) if "p2p" in records[0] else None,
+    store = dist.distributed_c10d._get_default_store()
+    if rank < k:
+        store.set(f"raylane-profile-{k}-{rank}", "done")
+    keys = [f"raylane-profile-{k}-{r}" for r in range(k)]
+    while not store.check(keys):
+        time.sleep(0.02)
+
+
+def summarise(records: list[dict], cfg) -> dict[str, Any]:
+    """One profile from every worker's records: medians over workers, then the fits."""
+    import torch
+
+    m = cfg.model
+    levels: dict[str, Any] = {}
+    for k in records[0]["levels"]:
+        measured = [r["levels"][k] for r in records if k in r["levels"]]
+        level: dict[str, Any] = {}
+        for part in ("block", "block_forward", "ends"):
+            by_rows = {
+                rows: statistics.median(x["compute"][part][rows] for x in measured) for rows in ROWS
+            }
+            level[part] = asdict(_compute_fit(by_rows))
+            level[f"{part}_s"] = {str(rows): seconds for rows, seconds in by_rows.items()}
+        level["optimizer_s_per_param"] = statistics.median(x["optimizer"] for x in measured)
+        if "all_reduce" in measured[0]:
+            level["all_reduce"] = asdict(_link_fit(_median_by_size(measured, "all_reduce")))
+            level["ddp_wait"] = asdict(_compute_fit(_median_by_size(measured, "ddp")))
+        if "schedules" in measured[0]:
+            level["schedules"] = {
+                name: asdict(_compute_fit(by_micro))
+                for name, by_micro in measured[0]["schedules"].items()
+            }
+        levels[str(k)] = level  # JSON keys
+
+    block, ends = _parts(cfg)
+    block_activation = _saved_bytes_per_row(
+        block, lambda rows: torch.randn(rows, m.input_dim, m.d_model, requires_grad=True)
     )
-    return profile.as_dict()
+    ends_activation = _saved_bytes_per_row(
+        ends, lambda rows: torch.randint(0, m.num_classes, (rows, m.input_dim))
+    )
+    # At the largest concurrency measured (the job's worker group): the headline figures.
+    top = levels[str(max(records[0]["levels"]))]
+    largest = max(ROWS)
+    block_s = top["block"]["fixed_s"] + top["block"]["per_row_s"] * largest
+    return {
+        "workers": len(records),
+        "levels": levels,
+        "block_params": sum(p.numel() for p in block.parameters()),
+        "ends_params": sum(p.numel() for p in ends.parameters()),
+        "block_activation_bytes_per_row": block_activation,
+        # Logits and their softmax gradient (fp32) are what the ends hold per row.
+        "ends_activation_bytes_per_row": ends_activation,
+        "baseline_rss_mb": statistics.median(r["baseline_rss_mb"] for r in records),
+        "block_flops_per_s": block_train_flops(largest, m.input_dim, m.d_model) / block_s,
+        "all_reduce": top.get("all_reduce"),
+        "p2p": asdict(_link_fit(_median_by_size(records, "p2p"))) if "p2p" in records[0] else None,
+    }
 
 
-def _fit(by_size: dict[int, float]) -> LinkFit:
+def _median_by_size(records: list[dict], key: str) -> dict[int, float]:
+    return {size: statistics.median(r[key][size] for r in records) for size in records[0][key]}
+
+
+def _compute_fit(by_rows: dict[int, float]) -> ComputeFit:
+    rows = sorted(by_rows)
+    return ComputeFit(*fit_line(rows, [by_rows[r] for r in rows]))
+
+
+def _link_fit(by_size: dict[int, float]) -> LinkFit:
     sizes = sorted(by_size)
-    return fit_line(sizes, [by_size[s] for s in sizes])
+    return LinkFit(*fit_line(sizes, [by_size[s] for s in sizes]))

@@ -17,15 +17,32 @@ KEY_TAG = "raylane.profile_key"
 ARTIFACT = "profile.json"
 
 
-def profile_key(cfg: RaylaneConfig) -> str:
-    """What the figures depend on: the model's shape, the worker group and the nodes."""
+def concurrency_levels(cfg: RaylaneConfig, levels: list[int] | None) -> list[int]:
+    """The worker counts to measure at: the given ones (a search's world sizes), else the
+    config's own worker count."""
+    found = sorted(set(levels or [cfg.parallelism.workers]))
+    if found[0] < 1:
+        raise ValueError(f"worker counts to profile must be at least 1, got {found}")
+    return found
+
+
+def profile_key(cfg: RaylaneConfig, levels: list[int]) -> str:
+    """What the figures depend on: the model's shape, the worker groups and the nodes."""
     from raylane.tracking.cluster import describe_nodes, package_versions
 
     model, par = cfg.model, cfg.parallelism
     versions = package_versions()
     basis = {
-        "model": [model.kind, model.input_dim, model.d_model, model.n_heads, model.n_layers],
-        "workers": par.workers,
+        "model": [
+            model.kind,
+            model.input_dim,
+            model.num_classes,
+            model.d_model,
+            model.n_heads,
+            model.n_layers,
+        ],
+        "optimizer": cfg.training.optimizer,
+        "levels": levels,
         "resources_per_worker": par.resources_per_worker,
         "torch_threads": par.torch_threads,
         "use_gpu": par.use_gpu,
@@ -35,8 +52,9 @@ def profile_key(cfg: RaylaneConfig) -> str:
     return hashlib.sha256(json.dumps(basis, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def measure(cfg: RaylaneConfig) -> dict[str, Any]:
-    """Run the profile job on the worker group the config describes."""
+def measure(cfg: RaylaneConfig, levels: list[int]) -> dict[str, Any]:
+    """Run the profile job: as many workers as the largest level, each reserving what the
+    config's workers reserve."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -45,10 +63,10 @@ def measure(cfg: RaylaneConfig) -> dict[str, Any]:
     par = cfg.parallelism
     trainer = TorchTrainer(
         profile_worker,
-        train_loop_config={"config": cfg.model_dump(mode="json")},
+        train_loop_config={"config": cfg.model_dump(mode="json"), "concurrency": levels},
         torch_config=TorchConfig(backend="nccl" if par.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
-            num_workers=par.workers,
+            num_workers=max(levels),
             use_gpu=par.use_gpu,
             resources_per_worker=dict(par.resources_per_worker),
         ),
@@ -61,14 +79,18 @@ def measure(cfg: RaylaneConfig) -> dict[str, Any]:
 
 
 def load_or_measure(
-    cfg: RaylaneConfig, tracking_uri: str, refresh: bool = False
+    cfg: RaylaneConfig,
+    tracking_uri: str,
+    refresh: bool = False,
+    concurrency: list[int] | None = None,
 ) -> tuple[dict[str, Any], str, bool]:
     """The profile, the MLflow run holding it, and whether an earlier run was reused."""
     import mlflow
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking_uri)
-    key = profile_key(cfg)
+    levels = concurrency_levels(cfg, concurrency)
+    key = profile_key(cfg, levels)
     name = f"{cfg.experiment}-profile"
     experiment = client.get_experiment_by_name(name)
     if experiment is not None and not refresh:
@@ -83,7 +105,7 @@ def load_or_measure(
             with tempfile.TemporaryDirectory() as directory:
                 path = client.download_artifacts(run_id, ARTIFACT, directory)
                 return json.loads(Path(path).read_text()), run_id, True
-    profile = measure(cfg)
+    profile = measure(cfg, levels)
     mlflow.set_tracking_uri(tracking_uri)
     mlflow.set_experiment(name)
     with mlflow.start_run(run_name="profile") as run:
@@ -93,7 +115,7 @@ def load_or_measure(
                 "model.d_model": cfg.model.d_model,
                 "model.n_layers": cfg.model.n_layers,
                 "model.input_dim": cfg.model.input_dim,
-                "parallelism.workers": cfg.parallelism.workers,
+                "concurrency": ",".join(map(str, levels)),
             }
         )
         metrics = {"block_flops_per_s": profile["block_flops_per_s"]}

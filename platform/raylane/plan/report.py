@@ -70,17 +70,57 @@ def write_config(base: Path, result: Plan, path: Path) -> Path:
 
 
 def render_profile(found: dict, reused: bool, console: Console) -> None:
+    """The profile's figures, one column per worker count measured."""
     how = "reused" if reused else "measured"
-    table = Table(title=f"profile of {found['workers']} workers ({how})")
+    levels = sorted(found["levels"], key=int)
+    table = Table(title=f"profile at {', '.join(levels)} workers at a time ({how})")
     table.add_column("figure")
-    table.add_column("value", justify="right")
-    for rows, seconds in sorted(found["block_s"].items(), key=lambda kv: int(kv[0])):
-        table.add_row(f"one block, forward + backward, {rows} rows", f"{seconds * 1e3:.2f} ms")
-    table.add_row("achieved compute per worker", f"{found['block_flops_per_s'] / 1e9:.2f} GFLOP/s")
-    for link, label in (("all_reduce", "all-reduce"), ("p2p", "point-to-point")):
-        fit = found[link]
-        if fit is not None:
-            beta = fit["beta_s_per_byte"]
-            bandwidth = f"{1 / beta / 1e9:.2f} GB/s" if beta > 0 else "not measurable"
-            table.add_row(f"{label}: alpha, 1/beta", f"{fit['alpha_s'] * 1e6:.0f} us, {bandwidth}")
+    for k in levels:
+        table.add_column(f"{k} worker{'s' if k != '1' else ''}", justify="right")
+
+    def row(label: str, cell) -> None:
+        table.add_row(label, *(cell(found["levels"][k]) for k in levels))
+
+    for rows in sorted(found["levels"][levels[0]]["block_s"], key=int):
+        row(f"one block, forward + backward, {rows} rows",
+            lambda level, rows=rows: f"{level['block_s'][rows] * 1e3:.2f} ms")  # fmt: skip
+    row("ends (embeddings, head, loss), per row",
+        lambda level: f"{level['ends']['per_row_s'] * 1e3:.3f} ms")  # fmt: skip
+    row("optimizer step, per million parameters",
+        lambda level: f"{level['optimizer_s_per_param'] * 1e9:.1f} ms")  # fmt: skip
+    row("all-reduce: alpha, 1/beta", lambda level: _link(level.get("all_reduce")))
+    row("DDP wait after the last bucket, 8 rows",
+        lambda level: _seconds(level.get("ddp_wait"), 8))  # fmt: skip
+    for name in ("gpipe", "1f1b"):
+
+        def schedule(level, name=name) -> str:
+            return _seconds(level.get("schedules", {}).get(name), 1, slope=True)
+
+        row(f"{name} schedule cost per micro-batch", schedule)
+    table.add_row(
+        "point-to-point: alpha, 1/beta", _link(found.get("p2p")), *[""] * (len(levels) - 1)
+    )
+    table.add_row(
+        "activations saved per row: block, ends",
+        f"{found['block_activation_bytes_per_row'] / 2**10:.0f} KiB, "
+        f"{found['ends_activation_bytes_per_row'] / 2**10:.0f} KiB",
+        *[""] * (len(levels) - 1),
+    )
+    table.add_row("worker baseline memory", f"{found['baseline_rss_mb']:.0f} MB",
+                  *[""] * (len(levels) - 1))  # fmt: skip
     console.print(table)
+
+
+def _link(fit: dict | None) -> str:
+    if fit is None:
+        return "-"
+    beta = fit["beta_s_per_byte"]
+    bandwidth = f"{1 / beta / 1e9:.2f} GB/s" if beta > 0 else "not measurable"
+    return f"{fit['alpha_s'] * 1e6:.0f} us, {bandwidth}"
+
+
+def _seconds(fit: dict | None, x: float, slope: bool = False) -> str:
+    if fit is None:
+        return "-"
+    seconds = fit["per_row_s"] * x if slope else fit["fixed_s"] + fit["per_row_s"] * x
+    return f"{seconds * 1e3:.2f} ms"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 from collections import defaultdict
 from pathlib import Path
+from statistics import median
 
 from rich.console import Console
 from rich.table import Table
@@ -18,7 +19,9 @@ from raylane.tune.spec import TuneSpec
 COLUMNS = ["rank", "layout", "strategy", "workers", "dp", "pp", "microbatches", "batch_size",
            "grad_compression", "activation_checkpointing", "samples_per_s", "peak_rss_mb",
            "train_loss", "step_ms", "compute_ms", "comm_ms", "bubble_ms", "data_wait_ms",
-           "comm_bytes_per_step", "epochs", "status", "detail"]  # fmt: skip
+           "comm_bytes_per_step", "predicted_samples_per_s", "predicted_step_ms",
+           "measured_step_ms", "step_error", "predicted_memory_mb", "epochs", "status",
+           "detail"]  # fmt: skip
 # The step-time split and bytes sent, from each trial's last epoch (raylane.train.step_times).
 SPLIT = {"step_ms": "step_ms", "compute_ms": "step_compute_ms", "comm_ms": "step_comm_ms",
          "bubble_ms": "step_bubble_ms", "data_wait_ms": "step_data_wait_ms",
@@ -46,14 +49,27 @@ def _row(rank: int | str, trial: TrialOutcome) -> dict:
         "peak_rss_mb": None if trial.peak_rss_mb is None else round(trial.peak_rss_mb),
         "train_loss": trial.metrics.get("train_loss"),
         **{column: _rounded(trial.metrics.get(key)) for column, key in SPLIT.items()},
+        **_predicted_columns(trial),
         "epochs": trial.epochs,
         "status": trial.status,
         "detail": trial.detail,
     }
 
 
+def _predicted_columns(trial: TrialOutcome) -> dict:
+    predicted = trial.predicted
+    return {
+        "predicted_samples_per_s": None if predicted is None else round(predicted.samples_per_s, 1),
+        "predicted_step_ms": None if predicted is None else round(predicted.step_ms, 2),
+        "measured_step_ms": _rounded(trial.step_ms),
+        "step_error": _rounded(trial.step_error, 3),
+        "predicted_memory_mb": None if predicted is None else round(predicted.memory_mb),
+    }
+
+
 def rows(outcome: SearchOutcome) -> list[dict]:
     ranked = [_row(i + 1, t) for i, t in enumerate(outcome.ranked)]
+    ranked += [_row("-", t) for t in outcome.not_run]
     for item in outcome.pruned:
         pruned = TrialOutcome(item.candidate, "pruned", detail=item.reason)
         ranked.append(_row("-", pruned))
@@ -63,25 +79,36 @@ def rows(outcome: SearchOutcome) -> list[dict]:
 def print_table(outcome: SearchOutcome, console: Console) -> None:
     """The measured trials, ranked; then the pruned layouts grouped by reason (the CSV has
     every row)."""
-    table = Table(title=f"parallelism search: {len(outcome.trials)} trials in "
-                        f"{outcome.wall_s:.0f} s, {len(outcome.pruned)} pruned")  # fmt: skip
-    names = ("rank", "layout", "samples/s", "peak MB", "train_loss", "compute ms", "comm ms",
-             "bubble ms", "status")  # fmt: skip
+    title = (f"parallelism search: {len(outcome.trials)} trials in {outcome.wall_s:.0f} s, "
+             f"{len(outcome.not_run)} predicted slower, {len(outcome.pruned)} pruned")  # fmt: skip
+    names = ("rank", "layout", "samples/s", "pred samples/s", "step ms", "pred step ms",
+             "peak MB", "pred MB", "train_loss", "compute ms", "comm ms", "bubble ms",
+             "status")  # fmt: skip
+    table = Table(title=title)
     for name in names:
         left = name in ("layout", "status")
         table.add_column(name, justify="left" if left else "right", no_wrap=name == "layout")
-    for rank, trial in enumerate(outcome.ranked, start=1):
+    listed = [(str(i), t) for i, t in enumerate(outcome.ranked, start=1)]
+    listed += [("-", t) for t in outcome.not_run]
+    for rank, trial in listed:
         loss = trial.metrics.get("train_loss")
+        predicted = trial.predicted
         table.add_row(
-            str(rank),
+            rank,
             trial.candidate.key,
-            "" if trial.samples_per_s is None else f"{trial.samples_per_s:.1f}",
-            "" if trial.peak_rss_mb is None else f"{trial.peak_rss_mb:.0f}",
+            _number(trial.samples_per_s, ".1f"),
+            "" if predicted is None else f"{predicted.samples_per_s:.1f}",
+            _number(trial.step_ms, ".1f"),
+            "" if predicted is None else f"{predicted.step_ms:.1f}",
+            _number(trial.peak_rss_mb, ".0f"),
+            "" if predicted is None else f"{predicted.memory_mb:.0f}",
             "" if loss is None else f"{loss:.4f}",
             *(_ms(trial.metrics.get(f"step_{part}_ms")) for part in ("compute", "comm", "bubble")),
             trial.status + (f": {trial.detail}" if trial.detail else ""),
         )
     console.print(table)
+    if outcome.profile_run_id is not None:
+        console.print(prediction_summary(outcome), highlight=False)
     by_reason: dict[str, list[str]] = defaultdict(list)
     for item in outcome.pruned:
         by_reason[item.reason].append(item.candidate.key)
@@ -89,8 +116,33 @@ def print_table(outcome: SearchOutcome, console: Console) -> None:
         console.print(f"pruned {len(keys)} ({reason}): {', '.join(keys)}", highlight=False)
 
 
+def prediction_summary(outcome: SearchOutcome) -> str:
+    """Where the predictions come from and how far off they were for the other measured
+    trials (the calibrating trial matches by construction)."""
+    summary = f"predictions: profile run {outcome.profile_run_id}"
+    calibration = outcome.calibration
+    if calibration is None:
+        return summary + " (not calibrated: no trial measured)"
+    summary += (
+        f", step times x{calibration.step_scale:.2f} and memory "
+        f"{calibration.memory_offset_mb:+.0f} MB from {calibration.layout}'s measurement"
+    )
+    errors = [
+        abs(t.step_error)
+        for t in outcome.trials
+        if t.step_error is not None and t.candidate.key != calibration.layout
+    ]
+    if errors:
+        summary += f"; median |predicted - measured| step time of the others: {median(errors):.0%}"
+    return summary
+
+
 def _ms(value: float | None) -> str:
-    return "" if value is None else f"{value:.1f}"
+    return _number(value, ".1f")
+
+
+def _number(value: float | None, spec: str) -> str:
+    return "" if value is None else format(value, spec)
 
 
 def write_csv(outcome: SearchOutcome, path: Path) -> Path:
@@ -170,18 +222,29 @@ def log_to_mlflow(spec: TuneSpec, outcome: SearchOutcome, files: list[Path]) -> 
             {k: str(v)[:500] for k, v in flatten(spec.model_dump(mode="json")).items()}
         )
         mlflow.log_metrics({"trials": len(outcome.trials), "pruned": len(outcome.pruned),
-                            "search_wall_s": outcome.wall_s})  # fmt: skip
+                            "not_run": len(outcome.not_run), "search_wall_s": outcome.wall_s,
+                            "profile_s": outcome.profile_s})  # fmt: skip
+        if outcome.profile_run_id is not None:
+            mlflow.set_tag("raylane.profile_run", outcome.profile_run_id)
+        if outcome.calibration is not None:
+            mlflow.log_metric("prediction_step_scale", outcome.calibration.step_scale)
         if outcome.winner is not None:
             mlflow.set_tag("raylane.winner", outcome.winner.candidate.key)
             mlflow.log_metric("best_samples_per_s", outcome.winner.samples_per_s)
         for path in files:
             mlflow.log_artifact(str(path))
-        for trial in outcome.trials:
+        for trial in [*outcome.trials, *outcome.not_run]:
             with mlflow.start_run(run_name=trial.candidate.key, nested=True):
                 mlflow.log_params({k: str(v) for k, v in trial.candidate.overrides.items()})
                 mlflow.set_tags({"raylane.trial_status": trial.status,
                                  "raylane.trial_detail": trial.detail[:500]})  # fmt: skip
                 metrics = {k: v for k, v in trial.metrics.items() if k != "epoch"}
+                if trial.predicted is not None:
+                    metrics["predicted_step_ms"] = trial.predicted.step_ms
+                    metrics["predicted_samples_per_s"] = trial.predicted.samples_per_s
+                    metrics["predicted_memory_mb"] = trial.predicted.memory_mb
+                if trial.step_error is not None:
+                    metrics["step_error"] = trial.step_error
                 if trial.samples_per_s is not None:
                     metrics["samples_per_s"] = trial.samples_per_s
                     metrics["scaling_efficiency_per_worker"] = (

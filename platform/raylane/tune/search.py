@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from raylane.plan.measured import LocalPrediction
 from raylane.runtime import verbose
 from raylane.tune.candidates import (
     TRIAL_DRIVER_CPU,
@@ -29,23 +30,45 @@ METRIC = "train_samples_per_s"
 @dataclass
 class TrialOutcome:
     candidate: Candidate
-    status: str  # "ok", "stopped early", "failed", "rejected"
+    status: str  # "ok", "stopped early", "failed", "rejected", "not run"
     samples_per_s: float | None = None
+    step_ms: float | None = None  # median over the measured epochs
     peak_rss_mb: float | None = None
     epochs: int = 0
     detail: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
+    predicted: LocalPrediction | None = None
+
+    @property
+    def step_error(self) -> float | None:
+        """(predicted - measured) / measured step time, when both exist."""
+        if self.predicted is None or not self.step_ms:
+            return None
+        return (self.predicted.step_ms - self.step_ms) / self.step_ms
 
     @property
     def world_size(self) -> int:
         return int(self.candidate.overrides["parallelism.workers"])
 
 
+@dataclass(frozen=True)
+class Calibration:
+    """What the first measured trial showed the profile-only predictions miss."""
+
+    layout: str
+    step_scale: float  # measured / predicted step time
+    memory_offset_mb: float  # measured - predicted peak worker memory
+
+
 @dataclass
 class SearchOutcome:
-    trials: list[TrialOutcome]
+    trials: list[TrialOutcome]  # measured (launched) layouts
     pruned: list[Pruned]
-    wall_s: float
+    wall_s: float  # profile included
+    not_run: list[TrialOutcome] = field(default_factory=list)  # predicted below the top k
+    profile_run_id: str | None = None
+    profile_s: float = 0.0
+    calibration: Calibration | None = None
 
     @property
     def ranked(self) -> list[TrialOutcome]:
@@ -82,11 +105,14 @@ def _judge(spec: TuneSpec, candidate: Candidate, result) -> TrialOutcome:
     if frame is None or METRIC not in frame or frame.empty:
         return TrialOutcome(candidate, "failed", detail="reported no metrics")
     epochs = len(frame)
-    measured = frame[METRIC].iloc[spec.trial.warmup_epochs :].tolist() or frame[METRIC].tolist()
+    measured = frame.iloc[spec.trial.warmup_epochs :]
+    if measured.empty:
+        measured = frame
     outcome = TrialOutcome(
         candidate,
         "ok",
-        samples_per_s=statistics.median(measured),
+        samples_per_s=statistics.median(measured[METRIC].tolist()),
+        step_ms=statistics.median(measured["step_ms"].tolist()) if "step_ms" in frame else None,
         peak_rss_mb=float(frame["peak_rss_mb"].max()),
         epochs=epochs,
         metrics={k: float(v) for k, v in frame.iloc[-1].items() if _is_number(v)},
@@ -145,7 +171,8 @@ def _check_cluster_fits(spec: TuneSpec) -> None:
 
 
 def run_search(spec: TuneSpec) -> SearchOutcome:
-    """Measure every valid candidate, one trial at a time, with ASHA early stopping.
+    """Measure the candidates, one trial at a time, with ASHA early stopping: the `top_k`
+    predicted fastest (after a profile), or every valid one when prediction is off.
 
     Trials never overlap: on a small cluster, concurrent trials share cores and their measured
     throughputs would rank the layouts wrongly.
@@ -168,9 +195,39 @@ def run_search(spec: TuneSpec) -> SearchOutcome:
     _check_cluster_fits(spec)
     ensure_dataset(trial_config(spec, candidates[0]))
 
+    start = time.perf_counter()
+    predictions: dict[str, LocalPrediction] = {}
+    not_run: list[TrialOutcome] = []
+    profile_run_id, profile_s = None, 0.0
+    if spec.predict.enabled:
+        from raylane.tune.predicted import rank_candidates
+
+        ranking = rank_candidates(spec, candidates)
+        predictions, profile_run_id, profile_s = (
+            ranking.predictions,
+            ranking.profile_run_id,
+            ranking.profile_s,
+        )
+        pruned = pruned + ranking.pruned
+        candidates = ranking.launch
+        not_run = [
+            TrialOutcome(
+                c, "not run", detail="predicted slower than the top k", predicted=predictions[c.key]
+            )
+            for c in ranking.not_run
+        ]
+        log.info(
+            "measuring the %d predicted fastest: %s",
+            len(candidates),
+            ", ".join(c.key for c in candidates),
+        )
+        if not candidates:
+            return SearchOutcome(
+                [], pruned, time.perf_counter() - start, not_run, profile_run_id, profile_s
+            )
+
     by_key = {c.key: c for c in candidates}
     configs = {key: trial_config(spec, c).model_dump(mode="json") for key, c in by_key.items()}
-    start = time.perf_counter()
     tuner = tune.Tuner(
         # The driver only waits on its Train workers: a sliver of CPU, so workers can start.
         tune.with_resources(
@@ -195,4 +252,39 @@ def run_search(spec: TuneSpec) -> SearchOutcome:
         grid = tuner.fit()
     wall_s = time.perf_counter() - start
     trials = [_judge(spec, by_key[result.config["key"]], result) for result in grid]
-    return SearchOutcome(trials, pruned, wall_s)
+    for trial in trials:
+        trial.predicted = predictions.get(trial.candidate.key)
+    calibration = _calibrate(trials, list(by_key)) if predictions else None
+    outcome = SearchOutcome(trials, pruned, wall_s, not_run, profile_run_id, profile_s)
+    outcome.calibration = calibration
+    for item in not_run:
+        predicted = predictions[item.candidate.key]
+        if calibration is not None:
+            predicted = predicted.calibrated(calibration.step_scale, calibration.memory_offset_mb)
+        item.predicted = predicted
+    return outcome
+
+
+def _calibrate(trials: list[TrialOutcome], order: list[str]) -> Calibration | None:
+    """Correct every prediction by the best-predicted trial's measurement (ranking is
+    unchanged: one factor on every step time). The profile times the model alone; a run also
+    feeds it through Ray Data, whose threads share the cores and whose wait is in the step."""
+    by_key = {t.candidate.key: t for t in trials}
+    first = next(
+        (by_key[k] for k in order if k in by_key and by_key[k].step_ms and by_key[k].predicted),
+        None,
+    )
+    if first is None:
+        return None
+    calibration = Calibration(
+        layout=first.candidate.key,
+        step_scale=first.step_ms / first.predicted.step_ms,
+        memory_offset_mb=(first.peak_rss_mb or first.predicted.memory_mb)
+        - first.predicted.memory_mb,
+    )
+    for trial in trials:
+        if trial.predicted is not None:
+            trial.predicted = trial.predicted.calibrated(
+                calibration.step_scale, calibration.memory_offset_mb
+            )
+    return calibration

@@ -81,6 +81,16 @@ class SchedulerSettings(StrictModel):
     reduction_factor: float = Field(2.0, gt=1, description="ASHA keeps 1/rf at each rung.")
 
 
+class PredictSettings(StrictModel):
+    enabled: bool = Field(
+        True,
+        description="Profile the model on this cluster once (reused from MLflow), predict every "
+        "layout's step time and memory, prune what would not fit and measure only the `top_k` "
+        "predicted fastest. Off: measure every valid layout.",
+    )
+    top_k: int = Field(3, ge=1, description="Layouts measured for real, best predicted first.")
+
+
 class TuneSpec(StrictModel):
     experiment: str = Field(..., min_length=1, description="MLflow experiment of the search.")
     base: Path = Field(..., description="Training config every trial starts from.")
@@ -92,6 +102,9 @@ class TuneSpec(StrictModel):
     trial: TrialSettings = Field(default_factory=TrialSettings, description="Trial length.")
     scheduler: SchedulerSettings = Field(
         default_factory=SchedulerSettings, description="Early stopping."
+    )
+    predict: PredictSettings = Field(
+        default_factory=PredictSettings, description="Which layouts are measured."
     )
     output_dir: Path = Field(
         Path("configs/generated"), description="Where the winner's YAML and the CSV go."

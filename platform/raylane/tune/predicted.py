@@ -1,0 +1,94 @@
+"""Choose what a search measures: profile the model on this cluster (once; reused from MLflow
+while model and cluster are unchanged), predict every valid layout's step time and peak
+worker memory, prune what is predicted over the memory budget, and keep the `top_k` predicted
+fastest, best first."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from raylane.config import ConfigError
+from raylane.plan.measured import LocalPrediction, ProfileMismatch, predict_config
+from raylane.tune.candidates import Candidate, Pruned, trial_config
+from raylane.tune.spec import TuneSpec
+
+log = logging.getLogger("raylane")
+
+
+@dataclass
+class Ranking:
+    launch: list[Candidate]  # the top k, best predicted first
+    not_run: list[Candidate]  # fit the budget, predicted slower than the top k
+    pruned: list[Pruned]  # predicted over the memory budget
+    predictions: dict[str, LocalPrediction]
+    profile_run_id: str
+    profile_reused: bool
+    profile_s: float
+
+
+def rank_candidates(spec: TuneSpec, candidates: list[Candidate]) -> Ranking:
+    """Profile (or reuse the profile), then rank; expects Ray to be connected."""
+    from raylane.plan.profile_job import load_or_measure
+    from raylane.tracking import resolve_tracking_uri
+
+    configs = {c.key: trial_config(spec, c) for c in candidates}
+    widest = max(candidates, key=lambda c: c.overrides["parallelism.workers"])
+    base = configs[widest.key]
+    if base.model.kind != "gpt":
+        raise ConfigError(
+            f"predict.enabled needs a GPT base model (model.kind is '{base.model.kind}'): "
+            "set predict.enabled=false to measure every layout"
+        )
+    levels = sorted({c.overrides["parallelism.workers"] for c in candidates})
+    started = time.perf_counter()
+    log.info("profiling the model at %s workers at a time (reused when already measured)", levels)
+    profile, run_id, reused = load_or_measure(
+        base, resolve_tracking_uri(spec.tracking_uri), concurrency=levels
+    )
+    profile_s = time.perf_counter() - started
+    log.info(
+        "profile %s (MLflow run %s, %.0f s)", "reused" if reused else "measured", run_id, profile_s
+    )
+    return rank_with_profile(spec, candidates, profile, run_id, reused, profile_s)
+
+
+def rank_with_profile(
+    spec: TuneSpec,
+    candidates: list[Candidate],
+    profile: dict,
+    run_id: str = "",
+    reused: bool = False,
+    profile_s: float = 0.0,
+) -> Ranking:
+    """Predict every candidate from `profile`, prune by memory, keep the top k."""
+    configs = {c.key: trial_config(spec, c) for c in candidates}
+    budget = spec.constraints.memory_mb_per_worker
+    predictions: dict[str, LocalPrediction] = {}
+    fitting: list[Candidate] = []
+    pruned: list[Pruned] = []
+    for candidate in candidates:
+        try:
+            predicted = predict_config(profile, configs[candidate.key])
+        except ProfileMismatch as exc:
+            raise ConfigError(f"{candidate.key}: {exc}") from None
+        predictions[candidate.key] = predicted
+        if predicted.memory_mb > budget:
+            reason = (
+                f"predicted peak {predicted.memory_mb:,.0f} MB over the {budget:,.0f} MB budget"
+            )
+            pruned.append(Pruned(candidate, reason))
+        else:
+            fitting.append(candidate)
+    fitting.sort(key=lambda c: -predictions[c.key].samples_per_s)
+    k = spec.predict.top_k
+    return Ranking(
+        launch=fitting[:k],
+        not_run=fitting[k:],
+        pruned=pruned,
+        predictions=predictions,
+        profile_run_id=run_id,
+        profile_reused=reused,
+        profile_s=profile_s,
+    )

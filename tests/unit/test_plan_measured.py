@@ -1,0 +1,216 @@
+"""The profile-based cost model and the planner's ranking, on a synthetic profile whose
+figures make every prediction computable by hand."""
+
+from pathlib import Path
+
+import pytest
+
+from raylane.config import ConfigError, load_config
+from raylane.plan.measured import ProfileMismatch, predict_config
+from raylane.tune.candidates import enumerate_candidates
+from raylane.tune.predicted import rank_with_profile
+from raylane.tune.spec import TuneSpec
+
+ROOT = Path(__file__).resolve().parents[2]
+LM = ROOT / "configs" / "train" / "lm_pipeline.yaml"
+MS = 1e-3
+
+
+def _fit(fixed_ms: float, per_row_ms: float) -> dict:
+    return {"fixed_s": fixed_ms * MS, "per_row_s": per_row_ms * MS}
+
+
+def _level(block_per_row_ms: float, ddp_wait_ms: float | None = None) -> dict:
+    level = {
+        "block": _fit(1.0, block_per_row_ms),
+        "block_forward": _fit(0.5, block_per_row_ms / 3),
+        "ends": _fit(0.5, 0.25),
+        "optimizer_s_per_param": 1e-8,
+    }
+    if ddp_wait_ms is not None:
+        level["all_reduce"] = {"alpha_s": 1 * MS, "beta_s_per_byte": 1e-9}
+        level["ddp_wait"] = _fit(ddp_wait_ms, 0.0)
+        level["schedules"] = {"gpipe": _fit(2.0, 1.0), "1f1b": _fit(2.0, 1.0)}
+    return level
+
+
+PROFILE = {
+    "workers": 2,
+    # Two workers share the cores: each computes a row 1.5x slower than one alone.
+    "levels": {"1": _level(0.5), "2": _level(0.75, ddp_wait_ms=10.0)},
+    "block_params": 50_000,
+    "ends_params": 40_000,
+    "block_activation_bytes_per_row": 300_000.0,
+    "ends_activation_bytes_per_row": 30_000.0,
+    "baseline_rss_mb": 400.0,
+    "p2p": {"alpha_s": 0.1 * MS, "beta_s_per_byte": 0.3e-9},
+}
+
+
+def _cfg(*overrides: str):
+    return load_config(LM, list(overrides))
+
+
+def _ddp(workers: int, batch: int, *extra: str):
+    return _cfg(
+        "parallelism.strategy=ddp",
+        "parallelism.pp=1",
+        f"parallelism.workers={workers}",
+        f"parallelism.dp={workers}",
+        f"training.batch_size={batch}",
+        *extra,
+    )
+
+
+def test_one_worker_ddp_is_blocks_ends_and_optimizer():
+    predicted = predict_config(PROFILE, _ddp(1, 16))
+    params = 4 * 50_000 + 40_000
+    blocks = 4 * (1.0 + 0.5 * 16) * MS
+    ends = (0.5 + 0.25 * 16) * MS
+    assert predicted.step_s == pytest.approx(blocks + ends + 1e-8 * params)
+    assert predicted.parts["comm"] == 0 and predicted.parts["bubble"] == 0
+    assert predicted.samples_per_s == pytest.approx(16 / predicted.step_s)
+    # AdamW: parameters, gradients and two moments in fp32; activations per row as profiled.
+    state_mb = 16 * params / 2**20
+    activations_mb = 16 * (4 * 300_000 + 30_000) / 2**20
+    assert predicted.memory_mb == pytest.approx(400 + state_mb + activations_mb)
+
+
+def test_two_workers_pay_the_measured_ddp_wait_and_compression_saves_bandwidth_only():
+    plain = predict_config(PROFILE, _ddp(2, 16))
+    assert plain.parts["comm"] == pytest.approx(10 * MS)
+    assert plain.samples_per_s == pytest.approx(32 / plain.step_s)
+    fp16 = predict_config(PROFILE, _ddp(2, 16, "parallelism.grad_compression=fp16"))
+    saved = 0.5 * 1e-9 * 4 * (4 * 50_000 + 40_000)
+    assert plain.parts["comm"] - fp16.parts["comm"] == pytest.approx(saved)
+
+
+def test_pipeline_adds_bubble_and_schedule_cost_and_more_microbatches_shrink_the_bubble():
+    def pipeline(micro: int):
+        return predict_config(
+            PROFILE, _cfg(f"parallelism.microbatches={micro}", "training.batch_size=32")
+        )
+
+    four, eight = pipeline(4), pipeline(8)
+    rows = 32 / 4
+    first = 2 * (1.0 + 0.75 * rows) * MS
+    assert four.parts["bubble"] == pytest.approx(first)  # (pp - 1) x the first stage's slot
+    assert eight.parts["bubble"] < four.parts["bubble"]
+    assert four.parts["comm"] > (2.0 + 1.0 * 4) * MS  # the schedule's own cost, plus sends
+    # Each stage holds half the blocks: less state than one worker's whole model.
+    assert four.memory_mb < predict_config(PROFILE, _ddp(1, 32)).memory_mb
+
+
+def test_activation_checkpointing_costs_a_forward_and_saves_memory():
+    plain = predict_config(PROFILE, _ddp(1, 32))
+    recompute = predict_config(PROFILE, _ddp(1, 32, "training.activation_checkpointing=true"))
+    assert recompute.step_s - plain.step_s == pytest.approx(4 * (0.5 + 32 * 0.5 / 3) * MS)
+    assert recompute.memory_mb < plain.memory_mb
+
+
+def test_tensor_parallel_splits_per_row_compute_and_adds_activation_all_reduces():
+    tp = predict_config(
+        PROFILE,
+        _cfg(
+            "parallelism.strategy=tp",
+            "parallelism.pp=1",
+            "parallelism.tp=2",
+            "parallelism.dp=1",
+            "model.n_heads=4",
+        ),  # fmt: skip
+    )
+    ddp = predict_config(PROFILE, _ddp(2, 32))
+    assert tp.parts["compute"] < 2 * ddp.parts["compute"]
+    assert tp.parts["compute"] > 0 and tp.parts["comm"] > 0
+
+
+def test_a_worker_count_the_profile_did_not_measure_is_refused_by_name():
+    with pytest.raises(ProfileMismatch, match="measured 1, 2 workers at a time, not 4"):
+        predict_config(PROFILE, _ddp(4, 16))
+
+
+def _spec(budget_mb: float, top_k: int) -> TuneSpec:
+    return TuneSpec.model_validate(
+        {
+            "experiment": "t",
+            "base": str(LM),
+            "search": {
+                "strategy": ["ddp", "pipeline"],
+                "workers": [1, 2],
+                "microbatches": [4, 8],
+                "batch_size": [16, 32],
+            },  # fmt: skip
+            "constraints": {"cpus": 2.0, "cpus_per_worker": 0.5, "memory_mb_per_worker": budget_mb},
+            "predict": {"top_k": top_k},
+        }
+    )
+
+
+def test_planner_keeps_the_top_k_predicted_and_prunes_what_would_not_fit():
+    spec = _spec(budget_mb=10_000, top_k=3)
+    candidates, _ = enumerate_candidates(spec)
+    ranking = rank_with_profile(spec, candidates, PROFILE)
+    speeds = [ranking.predictions[c.key].samples_per_s for c in ranking.launch + ranking.not_run]
+    assert len(ranking.launch) == 3 and speeds == sorted(speeds, reverse=True)
+    assert len(ranking.launch) + len(ranking.not_run) == len(candidates)
+
+    # A budget between the smallest and the largest prediction prunes, with the reason.
+    memory = sorted(p.memory_mb for p in ranking.predictions.values())
+    tight = _spec(budget_mb=(memory[0] + memory[-1]) / 2, top_k=3)
+    ranked = rank_with_profile(tight, candidates, PROFILE)
+    assert ranked.pruned and all("predicted peak" in p.reason for p in ranked.pruned)
+    assert all(ranked.predictions[c.key].memory_mb <= tight.constraints.memory_mb_per_worker
+               for c in ranked.launch)  # fmt: skip
+
+
+def test_prediction_needs_a_gpt_base():
+    spec = TuneSpec.model_validate(
+        {
+            "experiment": "t",
+            "base": str(ROOT / "configs" / "train" / "digits_ddp.yaml"),
+            "search": {"strategy": ["ddp"], "workers": [1]},
+        }  # fmt: skip
+    )
+    from raylane.tune.predicted import rank_candidates
+
+    with pytest.raises(ConfigError, match="predict.enabled needs a GPT base model"):
+        rank_candidates(spec, enumerate_candidates(spec)[0])
+
+
+def test_search_table_and_csv_put_predictions_next_to_measurements(tmp_path):
+    from rich.console import Console
+
+    from raylane.tune.report import print_table, rows, write_csv
+    from raylane.tune.search import SearchOutcome, TrialOutcome, _calibrate
+
+    spec = _spec(budget_mb=10_000, top_k=2)
+    candidates, _ = enumerate_candidates(spec)
+    ranking = rank_with_profile(spec, candidates, PROFILE, run_id="f" * 32)
+    first, second = ranking.launch
+    measured = [
+        TrialOutcome(
+            c,
+            "ok",
+            samples_per_s=100.0,
+            step_ms=ms,
+            peak_rss_mb=600.0,
+            predicted=ranking.predictions[c.key],
+        )  # fmt: skip
+        for c, ms in ((first, ranking.predictions[first.key].step_ms * 2), (second, 50.0))
+    ]
+    calibration = _calibrate(measured, [c.key for c in ranking.launch])
+    assert calibration.layout == first.key and calibration.step_scale == pytest.approx(2.0)
+    assert measured[0].step_error == pytest.approx(0.0)
+    not_run = [
+        TrialOutcome(c, "not run", predicted=ranking.predictions[c.key]) for c in ranking.not_run
+    ]
+    outcome = SearchOutcome(measured, [], 12.0, not_run, "f" * 32, 3.0, calibration)
+    console = Console(record=True, width=250)
+    print_table(outcome, console)
+    text = console.export_text()
+    assert "predictions: profile run ffff" in text and "x2.00" in text
+    assert "median |predicted - measured| step time of the others" in text
+    table = rows(outcome)
+    assert [r["status"] for r in table].count("not run") == len(ranking.not_run)
+    assert all(r["predicted_step_ms"] > 0 for r in table)
+    assert write_csv(outcome, tmp_path / "t.csv").read_text().count("not run") == len(not_run)
