@@ -70,7 +70,7 @@ def main() -> None:
 
     from raylane.tune.report import print_table
 
-    console = Console(stderr=True)
+    console = Console(stderr=True, width=200)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         ray.init(num_cpus=2, logging_level="ERROR", log_to_driver=False)
@@ -85,7 +85,9 @@ def main() -> None:
     grid_rate = {t.candidate.key: t.samples_per_s for t in grid.trials if t.status == "ok"}
     best_key = max(grid_rate, key=grid_rate.get)
     pick = planner.winner
-    scale = planner.calibration.step_scale if planner.calibration else 1.0
+    calibration = planner.calibration
+    scale = calibration.step_scale if calibration else 1.0
+    wait_ms = 1000 * calibration.data_wait_s if calibration else 0.0
     predicted = {t.candidate.key: t.predicted for t in [*planner.trials, *planner.not_run]}
     errors, raw_errors = {}, {}
     for trial in grid.trials:
@@ -114,9 +116,12 @@ def main() -> None:
         "planner_wall_s": round(planner.wall_s, 1),
         "best_ratio": round(grid_rate[pick.candidate.key] / grid_rate[best_key], 3),
         "cost_ratio": round(planner.wall_s / grid.wall_s, 3),
+        # A later search of the same model on the same cluster finds the profile in MLflow.
+        "cost_ratio_profile_reused": round((planner.wall_s - planner.profile_s) / grid.wall_s, 3),
         "planner_measured": len(planner.trials),
         "profile_s": round(planner.profile_s, 1),
         "step_scale": round(scale, 3),
+        "data_wait_ms": round(wait_ms, 1),
         "median_pred_error_raw": round(statistics.median(abs(e) for e in raw_errors.values()), 3),
         "median_pred_error": round(statistics.median(abs(e) for e in errors.values()), 3),
     }

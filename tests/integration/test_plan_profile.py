@@ -40,9 +40,7 @@ def test_profile_measures_once_then_is_reused(ray_cluster, workspace):
 
     run = MlflowClient(tracking_uri=workspace.tracking_uri).get_run(run_id)
     assert run.data.metrics["block_flops_per_s"] == found["block_flops_per_s"]
-    again, again_id, reused_again = load_or_measure(
-        cfg, workspace.tracking_uri, concurrency=[2, 1]
-    )
+    again, again_id, reused_again = load_or_measure(cfg, workspace.tracking_uri, concurrency=[2, 1])
     assert reused_again and again_id == run_id and again == found
     # Other worker counts are another profile.
     assert profile_key(cfg, [1, 2]) != profile_key(cfg, [2])

@@ -187,28 +187,36 @@ def test_search_table_and_csv_put_predictions_next_to_measurements(tmp_path):
     candidates, _ = enumerate_candidates(spec)
     ranking = rank_with_profile(spec, candidates, PROFILE, run_id="f" * 32)
     first, second = ranking.launch
+    # The first trial took twice the predicted work plus 5 ms per step waiting for input.
+    work_ms = ranking.predictions[first.key].step_ms
+    second_raw = ranking.predictions[second.key].step_ms
     measured = [
         TrialOutcome(
             c,
             "ok",
             samples_per_s=100.0,
             step_ms=ms,
+            data_wait_ms=5.0,
             peak_rss_mb=600.0,
             predicted=ranking.predictions[c.key],
-        )  # fmt: skip
-        for c, ms in ((first, ranking.predictions[first.key].step_ms * 2), (second, 50.0))
+        )
+        for c, ms in ((first, 2 * work_ms + 5.0), (second, 50.0))
     ]
     calibration = _calibrate(measured, [c.key for c in ranking.launch])
     assert calibration.layout == first.key and calibration.step_scale == pytest.approx(2.0)
+    assert calibration.data_wait_s == pytest.approx(5e-3)
     assert measured[0].step_error == pytest.approx(0.0)
+    assert measured[1].predicted.step_ms == pytest.approx(2 * second_raw + 5.0)
+    assert measured[0].predicted.memory_mb == pytest.approx(600.0)
     not_run = [
         TrialOutcome(c, "not run", predicted=ranking.predictions[c.key]) for c in ranking.not_run
     ]
     outcome = SearchOutcome(measured, [], 12.0, not_run, "f" * 32, 3.0, calibration)
     console = Console(record=True, width=250)
     print_table(outcome, console)
-    text = console.export_text()
-    assert "predictions: profile run ffff" in text and "x2.00" in text
+    text = " ".join(console.export_text().split())
+    assert "predictions: profile run ffff" in text and "step work x2.00" in text
+    assert "input wait 5.0 ms per step" in text
     assert "median |predicted - measured| step time of the others" in text
     table = rows(outcome)
     assert [r["status"] for r in table].count("not run") == len(ranking.not_run)

@@ -50,15 +50,20 @@ class LocalPrediction:
     def step_ms(self) -> float:
         return 1000 * self.step_s
 
-    def calibrated(self, step_scale: float, memory_offset_mb: float) -> LocalPrediction:
+    def calibrated(
+        self, step_scale: float, data_wait_s: float, memory_offset_mb: float
+    ) -> LocalPrediction:
         """This prediction corrected by what a measured trial showed the profile misses: a
-        factor on time (the input pipeline's share of the cores and its wait), an offset on
-        memory (the input pipeline's buffers)."""
+        factor on the step's work (the input pipeline's threads share the cores), its wait for
+        input per step, and an offset on memory (the input pipeline's buffers)."""
+        parts = {name: seconds * step_scale for name, seconds in self.parts.items()}
+        parts["data_wait"] = data_wait_s
+        step = sum(parts.values())
         return LocalPrediction(
-            step_s=self.step_s * step_scale,
-            parts={name: seconds * step_scale for name, seconds in self.parts.items()},
+            step_s=step,
+            parts=parts,
             memory_mb=self.memory_mb + memory_offset_mb,
-            samples_per_s=self.samples_per_s / step_scale,
+            samples_per_s=self.samples_per_s * self.step_s / step if step > 0 else 0.0,
         )
 
 

@@ -124,7 +124,8 @@ def prediction_summary(outcome: SearchOutcome) -> str:
     if calibration is None:
         return summary + " (not calibrated: no trial measured)"
     summary += (
-        f", step times x{calibration.step_scale:.2f} and memory "
+        f", step work x{calibration.step_scale:.2f}, input wait "
+        f"{calibration.data_wait_s * 1e3:.1f} ms per step and memory "
         f"{calibration.memory_offset_mb:+.0f} MB from {calibration.layout}'s measurement"
     )
     errors = [

@@ -33,6 +33,7 @@ class TrialOutcome:
     status: str  # "ok", "stopped early", "failed", "rejected", "not run"
     samples_per_s: float | None = None
     step_ms: float | None = None  # median over the measured epochs
+    data_wait_ms: float | None = None  # the part of it spent waiting for input, likewise
     peak_rss_mb: float | None = None
     epochs: int = 0
     detail: str = ""
@@ -56,8 +57,12 @@ class Calibration:
     """What the first measured trial showed the profile-only predictions miss."""
 
     layout: str
-    step_scale: float  # measured / predicted step time
+    step_scale: float  # measured / predicted step time, input wait left out
+    data_wait_s: float  # measured wait for input per step
     memory_offset_mb: float  # measured - predicted peak worker memory
+
+    def apply(self, predicted: LocalPrediction) -> LocalPrediction:
+        return predicted.calibrated(self.step_scale, self.data_wait_s, self.memory_offset_mb)
 
 
 @dataclass
@@ -112,7 +117,8 @@ def _judge(spec: TuneSpec, candidate: Candidate, result) -> TrialOutcome:
         candidate,
         "ok",
         samples_per_s=statistics.median(measured[METRIC].tolist()),
-        step_ms=statistics.median(measured["step_ms"].tolist()) if "step_ms" in frame else None,
+        step_ms=_median_of(measured, "step_ms"),
+        data_wait_ms=_median_of(measured, "step_data_wait_ms"),
         peak_rss_mb=float(frame["peak_rss_mb"].max()),
         epochs=epochs,
         metrics={k: float(v) for k, v in frame.iloc[-1].items() if _is_number(v)},
@@ -130,6 +136,10 @@ def _judge(spec: TuneSpec, candidate: Candidate, result) -> TrialOutcome:
             f"{spec.constraints.memory_mb_per_worker:.0f} MB budget"
         )
     return outcome
+
+
+def _median_of(frame, column: str) -> float | None:
+    return statistics.median(frame[column].tolist()) if column in frame else None
 
 
 def _is_number(value: Any) -> bool:
@@ -260,15 +270,15 @@ def run_search(spec: TuneSpec) -> SearchOutcome:
     for item in not_run:
         predicted = predictions[item.candidate.key]
         if calibration is not None:
-            predicted = predicted.calibrated(calibration.step_scale, calibration.memory_offset_mb)
+            predicted = calibration.apply(predicted)
         item.predicted = predicted
     return outcome
 
 
 def _calibrate(trials: list[TrialOutcome], order: list[str]) -> Calibration | None:
-    """Correct every prediction by the best-predicted trial's measurement (ranking is
-    unchanged: one factor on every step time). The profile times the model alone; a run also
-    feeds it through Ray Data, whose threads share the cores and whose wait is in the step."""
+    """Correct every prediction by the best-predicted measured trial: the profile times the
+    model alone, while a run also feeds it through Ray Data, whose threads share the cores
+    (a factor on the step's work) and whose wait is part of the step (added per step)."""
     by_key = {t.candidate.key: t for t in trials}
     first = next(
         (by_key[k] for k in order if k in by_key and by_key[k].step_ms and by_key[k].predicted),
@@ -276,15 +286,15 @@ def _calibrate(trials: list[TrialOutcome], order: list[str]) -> Calibration | No
     )
     if first is None:
         return None
+    wait_ms = min(first.data_wait_ms or 0.0, first.step_ms)
+    measured_mb = first.peak_rss_mb or first.predicted.memory_mb
     calibration = Calibration(
         layout=first.candidate.key,
-        step_scale=first.step_ms / first.predicted.step_ms,
-        memory_offset_mb=(first.peak_rss_mb or first.predicted.memory_mb)
-        - first.predicted.memory_mb,
+        step_scale=(first.step_ms - wait_ms) / first.predicted.step_ms,
+        data_wait_s=wait_ms / 1000,
+        memory_offset_mb=measured_mb - first.predicted.memory_mb,
     )
     for trial in trials:
         if trial.predicted is not None:
-            trial.predicted = trial.predicted.calibrated(
-                calibration.step_scale, calibration.memory_offset_mb
-            )
+            trial.predicted = calibration.apply(trial.predicted)
     return calibration
