@@ -2,7 +2,9 @@
 
 Side by side in one run, on one fixed search space over the byte-level GPT: the grid measures
 every valid layout for the full trial length (no prediction, no early stopping); the planner
-profiles the model once, predicts every layout, and measures only the top k (3) under ASHA.
+is `raylane tune` as shipped: it profiles the model once, predicts every layout, and measures
+at most the top k (3) under ASHA, best predicted first, stopping once the next is predicted
+more than the margin (20 %) slower than the best measured.
 Both run one trial at a time on the same local Ray. best_ratio = the grid's full-length
 throughput of the planner's pick / the grid's best throughput (the same measurement for both,
 so noise between runs does not enter); cost_ratio = planner wall time (profile included) /

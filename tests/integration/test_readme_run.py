@@ -197,10 +197,10 @@ def test_tune_block(readme):
     assert float(winner["train_loss"]) < 0.8 * math.log(256), winner
     # One line per trial event, not Tune's status tables with every trial's config.
     assert "Trial status:" not in run.output and "'config': {" not in run.output
-    # 5 valid layouts: the 3 predicted fastest measured, the other 2 predicted only.
+    # 5 valid layouts: at most the 3 predicted fastest measured, the rest predicted only.
     with (copy / "configs" / "generated" / "lm-parallelism-trials.csv").open() as handle:
         statuses = [row["status"] for row in csv.DictReader(handle) if row["status"] != "pruned"]
-    assert len(statuses) == 5 and statuses.count("not run") == 2, statuses
+    assert len(statuses) == 5 and 2 <= statuses.count("not run") <= 4, statuses
     tune_output = run.command("raylane tune").output
     assert re.search(r"predictions: profile run [0-9a-f]{32}, step times x", tune_output)
 

@@ -222,3 +222,37 @@ def test_search_table_and_csv_put_predictions_next_to_measurements(tmp_path):
     assert [r["status"] for r in table].count("not run") == len(ranking.not_run)
     assert all(r["predicted_step_ms"] > 0 for r in table)
     assert write_csv(outcome, tmp_path / "t.csv").read_text().count("not run") == len(not_run)
+
+
+def test_searcher_suggests_best_first_and_stops_once_the_rest_cannot_win():
+    from ray.tune.search import Searcher
+
+    from raylane.plan.measured import LocalPrediction
+    from raylane.tune.predicted import PredictedFirst
+
+    def predicted(samples_per_s: float) -> LocalPrediction:
+        step = 32 / samples_per_s
+        return LocalPrediction(step, {"compute": step}, 500.0, samples_per_s)
+
+    predictions = {"a": predicted(400), "b": predicted(360), "c": predicted(250)}
+    searcher = PredictedFirst(["a", "b", "c"], predictions, 0.2, 1, "train_samples_per_s")
+    assert searcher.suggest("t1") == {"key": "a"}
+    # a measures at half its prediction (its step took twice as long, none of it input wait).
+    for samples_per_s in (50.0, 200.0, 200.0):
+        step_ms = 1000 * 32 / samples_per_s
+        searcher.on_trial_result(
+            "t1",
+            {
+                "train_samples_per_s": samples_per_s,
+                "step_ms": step_ms,
+                "step_data_wait_ms": 0.0,
+            },  # fmt: skip
+        )
+    searcher.on_trial_complete("t1")
+    # b, calibrated the same way, is expected at 180: within 20 % of a's 200, so it runs.
+    assert searcher.suggest("t2") == {"key": "b"}
+    searcher.on_trial_result("t2", {"train_samples_per_s": 10.0})
+    searcher.on_trial_complete("t2", error=True)  # a crash measures nothing
+    # c is expected at 125, 38 % below a's 200: not worth a trial.
+    assert searcher.suggest("t3") == Searcher.FINISHED
+    assert searcher.skipped == {"c": "predicted 38% slower than a measured"}

@@ -92,3 +92,86 @@ def rank_with_profile(
         profile_reused=reused,
         profile_s=profile_s,
     )
+
+
+class PredictedFirst:
+    """A Ray Tune search algorithm over the ranked layouts: it suggests them best-predicted
+    first, one at a time, and stops suggesting as soon as the next one, with its prediction
+    calibrated by the trials measured so far, is predicted more than `margin` slower than the
+    best throughput measured. Layouts it never suggested are in `skipped`, with the reason."""
+
+    def __new__(cls, *args, **kwargs):
+        # Subclass Tune's Searcher lazily: importing ray.tune is slow and only needed here.
+        from ray.tune.search import Searcher
+
+        class _PredictedFirst(_PredictedFirstMixin, Searcher):
+            pass
+
+        return _PredictedFirst(*args, **kwargs)
+
+
+class _PredictedFirstMixin:
+    def __init__(
+        self,
+        order: list[str],
+        predictions: dict[str, LocalPrediction],
+        margin: float,
+        warmup_epochs: int,
+        metric: str,
+    ):
+        super().__init__(metric=metric, mode="max")
+        self.pending = list(order)
+        self.predictions = predictions
+        self.margin = margin
+        self.warmup_epochs = warmup_epochs
+        self.running: dict[str, str] = {}  # trial id -> layout
+        self.epochs: dict[str, list[dict]] = {}  # layout -> its reported epochs
+        self.best: tuple[str, float] | None = None  # layout, measured samples/s
+        self.calibrate = None  # LocalPrediction -> LocalPrediction, from the first measured
+        self.skipped: dict[str, str] = {}  # layout -> why it was not measured
+
+    def suggest(self, trial_id: str):
+        from ray.tune.search import Searcher
+
+        if not self.pending:
+            return Searcher.FINISHED
+        key = self.pending[0]
+        if self.best is not None and self.calibrate is not None:
+            expected = self.calibrate(self.predictions[key]).samples_per_s
+            best_key, best = self.best
+            if expected < (1 - self.margin) * best:
+                # Ranked best first: every later layout is predicted slower still.
+                for rest in self.pending:
+                    predicted = self.calibrate(self.predictions[rest]).samples_per_s
+                    self.skipped[rest] = (
+                        f"predicted {1 - predicted / best:.0%} slower than {best_key} measured"
+                    )
+                self.pending = []
+                return Searcher.FINISHED
+        self.pending.pop(0)
+        self.running[trial_id] = key
+        return {"key": key}
+
+    def on_trial_result(self, trial_id: str, result: dict) -> None:
+        key = self.running.get(trial_id)
+        if key is not None:
+            self.epochs.setdefault(key, []).append(result)
+
+    def on_trial_complete(self, trial_id: str, result=None, error: bool = False) -> None:
+        import statistics
+
+        from raylane.tune.search import METRIC, measured_calibration
+
+        key = self.running.pop(trial_id, None)
+        epochs = self.epochs.get(key or "", [])
+        measured = epochs[self.warmup_epochs :] or epochs
+        if error or not measured or any(METRIC not in e for e in measured):
+            return
+        samples_per_s = statistics.median(e[METRIC] for e in measured)
+        if self.best is None or samples_per_s > self.best[1]:
+            self.best = (key, samples_per_s)
+        if self.calibrate is None and "step_ms" in measured[0]:
+            step_ms = statistics.median(e["step_ms"] for e in measured)
+            wait_ms = statistics.median(e.get("step_data_wait_ms", 0.0) for e in measured)
+            calibration = measured_calibration(key, self.predictions[key], step_ms, wait_ms, None)
+            self.calibrate = calibration.apply

@@ -227,7 +227,7 @@ def run_search(spec: TuneSpec) -> SearchOutcome:
             for c in ranking.not_run
         ]
         log.info(
-            "measuring the %d predicted fastest: %s",
+            "measuring up to the %d predicted fastest, best first: %s",
             len(candidates),
             ", ".join(c.key for c in candidates),
         )
@@ -238,16 +238,25 @@ def run_search(spec: TuneSpec) -> SearchOutcome:
 
     by_key = {c.key: c for c in candidates}
     configs = {key: trial_config(spec, c).model_dump(mode="json") for key, c in by_key.items()}
+    searcher = None
+    if predictions:
+        from raylane.tune.predicted import PredictedFirst
+
+        searcher = PredictedFirst(
+            list(by_key), predictions, spec.predict.margin, spec.trial.warmup_epochs, METRIC
+        )
     tuner = tune.Tuner(
         # The driver only waits on its Train workers: a sliver of CPU, so workers can start.
         tune.with_resources(
             tune.with_parameters(trial_driver, configs=configs), {"CPU": TRIAL_DRIVER_CPU}
         ),
-        param_space={"key": tune.grid_search(list(by_key))},
+        param_space=None if searcher else {"key": tune.grid_search(list(by_key))},
         tune_config=tune.TuneConfig(
             metric=METRIC,
             mode="max",
             scheduler=_scheduler(spec),
+            search_alg=searcher,
+            num_samples=len(by_key) if searcher else 1,
             max_concurrent_trials=1,
         ),
         run_config=tune.RunConfig(
@@ -267,12 +276,34 @@ def run_search(spec: TuneSpec) -> SearchOutcome:
     calibration = _calibrate(trials, list(by_key)) if predictions else None
     outcome = SearchOutcome(trials, pruned, wall_s, not_run, profile_run_id, profile_s)
     outcome.calibration = calibration
+    if searcher is not None:
+        skipped = [
+            TrialOutcome(by_key[k], "not run", detail=why) for k, why in searcher.skipped.items()
+        ]
+        not_run[:0] = skipped  # predicted faster than the rest of not_run
     for item in not_run:
         predicted = predictions[item.candidate.key]
         if calibration is not None:
             predicted = calibration.apply(predicted)
         item.predicted = predicted
     return outcome
+
+
+def measured_calibration(
+    layout: str,
+    predicted: LocalPrediction,
+    step_ms: float,
+    data_wait_ms: float | None,
+    peak_mb: float | None,
+) -> Calibration:
+    """What one measured layout says about the profile's predictions."""
+    wait_ms = min(data_wait_ms or 0.0, step_ms)
+    return Calibration(
+        layout=layout,
+        step_scale=(step_ms - wait_ms) / predicted.step_ms,
+        data_wait_s=wait_ms / 1000,
+        memory_offset_mb=(peak_mb or predicted.memory_mb) - predicted.memory_mb,
+    )
 
 
 def _calibrate(trials: list[TrialOutcome], order: list[str]) -> Calibration | None:
@@ -286,13 +317,8 @@ def _calibrate(trials: list[TrialOutcome], order: list[str]) -> Calibration | No
     )
     if first is None:
         return None
-    wait_ms = min(first.data_wait_ms or 0.0, first.step_ms)
-    measured_mb = first.peak_rss_mb or first.predicted.memory_mb
-    calibration = Calibration(
-        layout=first.candidate.key,
-        step_scale=(first.step_ms - wait_ms) / first.predicted.step_ms,
-        data_wait_s=wait_ms / 1000,
-        memory_offset_mb=measured_mb - first.predicted.memory_mb,
+    calibration = measured_calibration(
+        first.candidate.key, first.predicted, first.step_ms, first.data_wait_ms, first.peak_rss_mb
     )
     for trial in trials:
         if trial.predicted is not None:

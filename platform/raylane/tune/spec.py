@@ -88,7 +88,15 @@ class PredictSettings(StrictModel):
         "layout's step time and memory, prune what would not fit and measure only the `top_k` "
         "predicted fastest. Off: measure every valid layout.",
     )
-    top_k: int = Field(3, ge=1, description="Layouts measured for real, best predicted first.")
+    top_k: int = Field(3, ge=1, description="Most layouts measured, best predicted first.")
+    margin: float = Field(
+        0.2,
+        gt=0,
+        le=1,
+        description="After each measured trial, stop once the next layout's calibrated "
+        "prediction is more than this share below the best measured throughput (1: measure "
+        "all top_k).",
+    )
 
 
 class TuneSpec(StrictModel):
