@@ -66,20 +66,23 @@ def main() -> None:
 
     import ray
 
+    from raylane.data import ensure_dataset
     from raylane.plan.measured import predict_config
     from raylane.plan.profile_job import load_or_measure
-    from raylane.tune.candidates import trial_config
+    from raylane.tune.candidates import enumerate_candidates, trial_config
 
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         spec = make_spec(workdir, args.epochs, args.steps)
         ray.init(num_cpus=2, logging_level="ERROR", log_to_driver=False)
         try:
-            grid = run_search(spec)
-            configs = {t.candidate.key: trial_config(spec, t.candidate) for t in grid.trials}
+            candidates, _ = enumerate_candidates(spec)
+            configs = {c.key: trial_config(spec, c) for c in candidates}
             widest = max(configs.values(), key=lambda c: c.parallelism.workers)
             workers = sorted({c.parallelism.workers for c in configs.values()})
+            ensure_dataset(widest)
             profile, _, _ = load_or_measure(widest, spec.tracking_uri, concurrency=workers)
+            grid = run_search(spec)
         finally:
             ray.shutdown()
 

@@ -181,6 +181,16 @@ def _time_collectives(rank: int, group, sizes=SIZES) -> dict[int, float]:
     return found
 
 
+def _ready_then_all_reduce(state, bucket):
+    """DDP comm hook: note when the bucket was ready, then torch's all-reduce on the group.
+    (raylane's training hooks reduce over the whole world; the profile's groups are subsets.)"""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    group, ready = state
+    ready.append(time.perf_counter())
+    return allreduce_hook(group, bucket)
+
+
 def _time_ddp(cfg, group) -> dict[int, float]:
     """Seconds per step that backward waits for gradients after its last bucket is ready,
     under DDP on `group`, measured as `raylane.parallel.ddp` measures it in a run."""
@@ -189,11 +199,11 @@ def _time_ddp(cfg, group) -> dict[int, float]:
     from torch.nn.parallel import DistributedDataParallel
 
     from raylane.models import build_model
-    from raylane.parallel.grad_compression import register_compression
 
     m = cfg.model
     model = DistributedDataParallel(build_model(m), process_group=group)
-    meter = register_compression(model, "none", 0.01)
+    ready: list[float] = []
+    model.register_comm_hook((group, ready), _ready_then_all_reduce)
     found = {}
     for rows in ROWS:
         tokens = torch.randint(0, m.num_classes, (rows, m.input_dim))
@@ -202,11 +212,12 @@ def _time_ddp(cfg, group) -> dict[int, float]:
             model.zero_grad(set_to_none=True)
             logits = model(tokens)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1))
+            ready.clear()
             started = time.perf_counter()
             loss.backward()
             done = time.perf_counter()
-            ready = meter.take_last_ready()
-            waits.append(done - ready if ready is not None and ready > started else 0.0)
+            last = max(ready, default=None)
+            waits.append(done - last if last is not None and last > started else 0.0)
         found[rows] = statistics.median(waits[1:])
     return found
 
