@@ -81,9 +81,9 @@ def print_table(outcome: SearchOutcome, console: Console) -> None:
     every row)."""
     title = (f"parallelism search: {len(outcome.trials)} trials in {outcome.wall_s:.0f} s, "
              f"{len(outcome.not_run)} predicted slower, {len(outcome.pruned)} pruned")  # fmt: skip
-    names = ("rank", "layout", "samples/s", "pred samples/s", "step ms", "pred step ms",
-             "peak MB", "pred MB", "train_loss", "compute ms", "comm ms", "bubble ms",
-             "status")  # fmt: skip
+    # Measured, then (predicted) where there is a prediction: predicted-only rows show it alone.
+    names = ("rank", "layout", "samples/s (pred)", "step ms (pred)", "peak MB (pred)",
+             "train_loss", "compute ms", "comm ms", "bubble ms", "status")  # fmt: skip
     table = Table(title=title)
     for name in names:
         left = name in ("layout", "status")
@@ -96,12 +96,9 @@ def print_table(outcome: SearchOutcome, console: Console) -> None:
         table.add_row(
             rank,
             trial.candidate.key,
-            _number(trial.samples_per_s, ".1f"),
-            "" if predicted is None else f"{predicted.samples_per_s:.1f}",
-            _number(trial.step_ms, ".1f"),
-            "" if predicted is None else f"{predicted.step_ms:.1f}",
-            _number(trial.peak_rss_mb, ".0f"),
-            "" if predicted is None else f"{predicted.memory_mb:.0f}",
+            _pair(trial.samples_per_s, predicted and predicted.samples_per_s, ".1f"),
+            _pair(trial.step_ms, predicted and predicted.step_ms, ".1f"),
+            _pair(trial.peak_rss_mb, predicted and predicted.memory_mb, ".0f"),
             "" if loss is None else f"{loss:.4f}",
             *(_ms(trial.metrics.get(f"step_{part}_ms")) for part in ("compute", "comm", "bubble")),
             trial.status + (f": {trial.detail}" if trial.detail else ""),
@@ -140,6 +137,14 @@ def prediction_summary(outcome: SearchOutcome) -> str:
 
 def _ms(value: float | None) -> str:
     return _number(value, ".1f")
+
+
+def _pair(measured: float | None, predicted: float | None, spec: str) -> str:
+    if predicted is None:
+        return _number(measured, spec)
+    if measured is None:
+        return f"({predicted:{spec}})"
+    return f"{measured:{spec}} ({predicted:{spec}})"
 
 
 def _number(value: float | None, spec: str) -> str:
