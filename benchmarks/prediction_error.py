@@ -21,7 +21,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from raylane.tune.search import Calibration, run_search
+from raylane.tune.search import measured_calibration, run_search
 from raylane.tune.spec import TuneSpec
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,12 +89,12 @@ def main() -> None:
     measured = [t for t in grid.trials if t.step_ms]
     raw = {t.candidate.key: predict_config(profile, configs[t.candidate.key]) for t in measured}
     reference = next(t for t in measured if t.candidate.key.startswith("ddp-w2"))
-    wait_ms = reference.data_wait_ms or 0.0
-    calibration = Calibration(
-        layout=reference.candidate.key,
-        step_scale=(reference.step_ms - wait_ms) / raw[reference.candidate.key].step_ms,
-        data_wait_s=wait_ms / 1000,
-        memory_offset_mb=0.0,
+    calibration = measured_calibration(
+        reference.candidate.key,
+        raw[reference.candidate.key],
+        reference.step_ms,
+        reference.data_wait_ms,
+        None,
     )
     by_strategy: dict[str, list[float]] = defaultdict(list)
     raw_by_strategy: dict[str, list[float]] = defaultdict(list)

@@ -28,10 +28,7 @@ from dataclasses import dataclass
 from raylane.config import RaylaneConfig
 from raylane.config.layout import PIPELINED
 
-#: Bytes a gradient element is sent as, per compression (top-k sends values and indices of
-#: `topk_ratio` of them; PowerSGD's factors depend on shapes, so its ratio is estimated from
-#: the rank and the model's width).
-_FP32 = 4
+_FP32 = 4  # bytes of an activation or gradient element
 _STATE_BYTES_PER_PARAM = {"adamw": 4 + 4 + 8, "sgd": 4 + 4}
 
 
@@ -67,18 +64,16 @@ class LocalPrediction:
         )
 
 
-def _fit(level: dict, part: str, rows: float) -> float:
-    return _fit_of(level[part], rows)
+def _fit(fit: dict, x: float) -> float:
+    """A profiled compute fit (`raylane.plan.profile.ComputeFit`) at `x` rows."""
+    return fit["fixed_s"] + fit["per_row_s"] * x
 
 
 def _link(fit: dict | None, nbytes: float) -> float:
+    """A profiled link fit (`raylane.plan.profile.LinkFit`) for `nbytes`; no link costs 0."""
     if fit is None:
         return 0.0
     return fit["alpha_s"] + fit["beta_s_per_byte"] * nbytes
-
-
-def _fit_of(fit: dict, x: float) -> float:
-    return fit["fixed_s"] + fit["per_row_s"] * x
 
 
 def _link_bytes(fit: dict | None, nbytes: float) -> float:
@@ -127,15 +122,14 @@ def predict_config(profile: dict, cfg: RaylaneConfig) -> LocalPrediction:
     rows = training.batch_size / micro  # per micro-batch, per replica
 
     def block_s(r: float) -> float:
-        fit = level["block"]
-        seconds = fit["fixed_s"] + fit["per_row_s"] * r / tp
+        # Tensor parallelism splits the per-row work; each op's fixed cost stays.
+        seconds = _fit(level["block"], r / tp)
         if recompute:
-            forward = level["block_forward"]
-            seconds += forward["fixed_s"] + forward["per_row_s"] * r / tp
+            seconds += _fit(level["block_forward"], r / tp)
         return seconds
 
     block_params, ends_params = profile["block_params"], profile["ends_params"]
-    params_held = (layers / pp) * block_params / tp + ends_params / (pp if pp > 1 else 1)
+    params_held = (layers / pp) * block_params / tp + ends_params / pp
     if strategy == "fsdp":
         params_held = (layers * block_params / tp + ends_params) / dp
     optimizer = level["optimizer_s_per_param"] * params_held
@@ -148,17 +142,17 @@ def predict_config(profile: dict, cfg: RaylaneConfig) -> LocalPrediction:
         tp_comm = stage_layers * per_block * _link(level.get("all_reduce"), activation_bytes)
 
     if pipelined:
-        last = stage_layers * block_s(rows) + _fit(level, "ends", rows) + tp_comm
+        last = stage_layers * block_s(rows) + _fit(level["ends"], rows) + tp_comm
         first = stage_layers * block_s(rows) + tp_comm
         send = 2 * _link(profile.get("p2p"), activation_bytes)
         # The schedule's own cost (sends, receives, its Python), measured on two stages.
         schedule = level.get("schedules", {}).get(par.schedule)
-        overhead = 0.0 if schedule is None else (pp - 1) * _fit_of(schedule, micro)
+        overhead = 0.0 if schedule is None else (pp - 1) * _fit(schedule, micro)
         compute = micro * last + optimizer
         bubble = (pp - 1) * first
         comm = overhead + micro * send
     else:
-        compute = layers * block_s(rows) + _fit(level, "ends", rows) + optimizer + tp_comm
+        compute = layers * block_s(rows) + _fit(level["ends"], rows) + optimizer + tp_comm
         bubble = 0.0
         comm = 0.0
 
@@ -166,7 +160,7 @@ def predict_config(profile: dict, cfg: RaylaneConfig) -> LocalPrediction:
     ring = level.get("all_reduce") if dp > 1 else None
     # What a synchronous step waits beyond the collective itself (hooks, skew between workers
     # on shared cores): measured under DDP on the whole model at this worker count.
-    ddp_wait = _fit(level, "ddp_wait", rows) if "ddp_wait" in level else 0.0
+    ddp_wait = _fit(level["ddp_wait"], rows) if "ddp_wait" in level else 0.0
     model_bytes = _FP32 * (layers * block_params + ends_params)
     skew = max(ddp_wait - _link(level.get("all_reduce"), model_bytes), 0.0)
     if strategy == "ddp":
@@ -186,15 +180,14 @@ def predict_config(profile: dict, cfg: RaylaneConfig) -> LocalPrediction:
     step = sum(parts.values())
 
     state_per_param = _STATE_BYTES_PER_PARAM[training.optimizer]
+    # Micro-batches a stage holds at once (1 when not pipelined: micro and pp are 1).
     in_flight = micro if par.schedule == "gpipe" else min(pp, micro)
-    activations = profile["block_activation_bytes_per_row"] * rows * stage_layers * (
-        in_flight if pp > 1 else 1
-    ) + profile["ends_activation_bytes_per_row"] * rows * (in_flight if pp > 1 else 1)
-    if recompute:
-        activations = (
-            activation_bytes * stage_layers * in_flight
-            + profile["ends_activation_bytes_per_row"] * rows
-        )
+    ends_activations = profile["ends_activation_bytes_per_row"] * rows
+    if recompute:  # each block keeps only its input
+        activations = activation_bytes * stage_layers * in_flight + ends_activations
+    else:
+        per_row = profile["block_activation_bytes_per_row"] * stage_layers
+        activations = (per_row * rows + ends_activations) * in_flight
     memory_mb = profile["baseline_rss_mb"] + (state_per_param * params_held + activations) / 2**20
     return LocalPrediction(
         step_s=step,

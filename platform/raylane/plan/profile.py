@@ -50,9 +50,6 @@ class LinkFit:
     def gbps(self) -> float:
         return 1 / self.beta_s_per_byte / 1e9 if self.beta_s_per_byte > 0 else float("inf")
 
-    def seconds(self, nbytes: float) -> float:
-        return self.alpha_s + self.beta_s_per_byte * nbytes
-
 
 @dataclass(frozen=True)
 class ComputeFit:
@@ -60,9 +57,6 @@ class ComputeFit:
 
     fixed_s: float
     per_row_s: float
-
-    def seconds(self, rows: float) -> float:
-        return self.fixed_s + self.per_row_s * rows
 
 
 def block_train_flops(rows: int, seq: int, width: int) -> float:
@@ -99,7 +93,8 @@ def _parts(cfg):
 
 def _time_compute(cfg) -> dict[str, dict[int, float]]:
     import torch
-    import torch.nn.functional as F
+
+    from raylane.train.loop import cross_entropy
 
     m = cfg.model
     block, ends = _parts(cfg)
@@ -116,8 +111,7 @@ def _time_compute(cfg) -> dict[str, dict[int, float]]:
                 block(hidden)
 
         def train_ends(tokens=tokens):
-            logits = ends(tokens)
-            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1)).backward()
+            cross_entropy(ends(tokens), tokens).backward()
 
         found["block"][rows] = _median_s(train_block)
         found["block_forward"][rows] = _median_s(forward_block)
@@ -126,7 +120,7 @@ def _time_compute(cfg) -> dict[str, dict[int, float]]:
 
 
 def _time_optimizer(cfg) -> float:
-    """Seconds per parameter of one optimizer step (and zeroing the gradients)."""
+    """Seconds per parameter of one optimizer step (timed with a refill of the gradients)."""
     import torch
 
     from raylane.models import build_model
@@ -166,12 +160,12 @@ def _saved_bytes_per_row(module, make_input) -> float:
     return (saved(8) - saved(4)) / 4
 
 
-def _time_collectives(rank: int, group, sizes=SIZES) -> dict[int, float]:
+def _time_collectives(group) -> dict[int, float]:
     import torch
     import torch.distributed as dist
 
     found = {}
-    for size in sizes:
+    for size in SIZES:
         tensor = torch.zeros(size // 4)
 
         def reduce(tensor=tensor):
@@ -195,10 +189,10 @@ def _time_ddp(cfg, group) -> dict[int, float]:
     """Seconds per step that backward waits for gradients after its last bucket is ready,
     under DDP on `group`, measured as `raylane.parallel.ddp` measures it in a run."""
     import torch
-    import torch.nn.functional as F
     from torch.nn.parallel import DistributedDataParallel
 
     from raylane.models import build_model
+    from raylane.train.loop import cross_entropy
 
     m = cfg.model
     model = DistributedDataParallel(build_model(m), process_group=group)
@@ -210,8 +204,7 @@ def _time_ddp(cfg, group) -> dict[int, float]:
         waits = []
         for _ in range(REPEATS + 1):
             model.zero_grad(set_to_none=True)
-            logits = model(tokens)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1))
+            loss = cross_entropy(model(tokens), tokens)
             ready.clear()
             started = time.perf_counter()
             loss.backward()
@@ -306,7 +299,7 @@ def profile_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
             torch.set_num_threads(worker_threads(cfg, k))
             level = {"compute": _time_compute(cfg), "optimizer": _time_optimizer(cfg)}
             if k in groups:
-                level["all_reduce"] = _time_collectives(rank, groups[k])
+                level["all_reduce"] = _time_collectives(groups[k])
                 level["ddp"] = _time_ddp(cfg, groups[k])
             if k >= 2 and rank < 2:
                 level["schedules"] = _time_schedules(cfg, rank, pair)

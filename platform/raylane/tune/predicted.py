@@ -9,6 +9,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+from ray.tune.search import Searcher
+
 from raylane.config import ConfigError
 from raylane.plan.measured import LocalPrediction, ProfileMismatch, predict_config
 from raylane.tune.candidates import Candidate, Pruned, trial_config
@@ -24,7 +26,6 @@ class Ranking:
     pruned: list[Pruned]  # predicted over the memory budget
     predictions: dict[str, LocalPrediction]
     profile_run_id: str
-    profile_reused: bool
     profile_s: float
 
 
@@ -33,9 +34,8 @@ def rank_candidates(spec: TuneSpec, candidates: list[Candidate]) -> Ranking:
     from raylane.plan.profile_job import load_or_measure
     from raylane.tracking import resolve_tracking_uri
 
-    configs = {c.key: trial_config(spec, c) for c in candidates}
     widest = max(candidates, key=lambda c: c.overrides["parallelism.workers"])
-    base = configs[widest.key]
+    base = trial_config(spec, widest)
     if base.model.kind != "gpt":
         raise ConfigError(
             f"predict.enabled needs a GPT base model (model.kind is '{base.model.kind}'): "
@@ -51,7 +51,7 @@ def rank_candidates(spec: TuneSpec, candidates: list[Candidate]) -> Ranking:
     log.info(
         "profile %s (MLflow run %s, %.0f s)", "reused" if reused else "measured", run_id, profile_s
     )
-    return rank_with_profile(spec, candidates, profile, run_id, reused, profile_s)
+    return rank_with_profile(spec, candidates, profile, run_id, profile_s)
 
 
 def rank_with_profile(
@@ -59,7 +59,6 @@ def rank_with_profile(
     candidates: list[Candidate],
     profile: dict,
     run_id: str = "",
-    reused: bool = False,
     profile_s: float = 0.0,
 ) -> Ranking:
     """Predict every candidate from `profile`, prune by memory, keep the top k."""
@@ -89,28 +88,16 @@ def rank_with_profile(
         pruned=pruned,
         predictions=predictions,
         profile_run_id=run_id,
-        profile_reused=reused,
         profile_s=profile_s,
     )
 
 
-class PredictedFirst:
+class PredictedFirst(Searcher):
     """A Ray Tune search algorithm over the ranked layouts: it suggests them best-predicted
     first, one at a time, and stops suggesting as soon as the next one, with its prediction
     calibrated by the trials measured so far, is predicted more than `margin` slower than the
     best throughput measured. Layouts it never suggested are in `skipped`, with the reason."""
 
-    def __new__(cls, *args, **kwargs):
-        # Subclass Tune's Searcher lazily: importing ray.tune is slow and only needed here.
-        from ray.tune.search import Searcher
-
-        class _PredictedFirst(_PredictedFirstMixin, Searcher):
-            pass
-
-        return _PredictedFirst(*args, **kwargs)
-
-
-class _PredictedFirstMixin:
     def __init__(
         self,
         order: list[str],
@@ -131,8 +118,6 @@ class _PredictedFirstMixin:
         self.skipped: dict[str, str] = {}  # layout -> why it was not measured
 
     def suggest(self, trial_id: str):
-        from ray.tune.search import Searcher
-
         if not self.pending:
             return Searcher.FINISHED
         key = self.pending[0]

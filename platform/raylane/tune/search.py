@@ -274,19 +274,16 @@ def run_search(spec: TuneSpec) -> SearchOutcome:
     for trial in trials:
         trial.predicted = predictions.get(trial.candidate.key)
     calibration = _calibrate(trials, list(by_key)) if predictions else None
-    outcome = SearchOutcome(trials, pruned, wall_s, not_run, profile_run_id, profile_s)
-    outcome.calibration = calibration
     if searcher is not None:
         skipped = [
-            TrialOutcome(by_key[k], "not run", detail=why) for k, why in searcher.skipped.items()
+            TrialOutcome(by_key[k], "not run", detail=why, predicted=predictions[k])
+            for k, why in searcher.skipped.items()
         ]
         not_run[:0] = skipped  # predicted faster than the rest of not_run
-    for item in not_run:
-        predicted = predictions[item.candidate.key]
-        if calibration is not None:
-            predicted = calibration.apply(predicted)
-        item.predicted = predicted
-    return outcome
+    if calibration is not None:
+        for item in not_run:
+            item.predicted = calibration.apply(predictions[item.candidate.key])
+    return SearchOutcome(trials, pruned, wall_s, not_run, profile_run_id, profile_s, calibration)
 
 
 def measured_calibration(
