@@ -150,18 +150,25 @@ def train(
     _setup_logging(verbose)
     cfg = _recorded(resume) if resume else _load(config, overrides)
     from raylane.runtime import connect_ray, disconnect_ray
-    from raylane.train.job import check_run_inputs, run_training
+    from raylane.train.job import check_run_inputs, record_phases, run_training
+    from raylane.train.phases import PhaseClock
 
+    phases = PhaseClock()
     started = False
     try:
-        check_run_inputs(cfg)  # resume checkpoint and tracking store, before Ray starts
-        started = connect_ray()
-        outcome = run_training(cfg, resume_run_id=resume)
+        with phases.phase("preflight"):
+            check_run_inputs(cfg)  # resume checkpoint and tracking store, before Ray starts
+        with phases.phase("ray"):
+            started = connect_ray()
+        outcome = run_training(cfg, resume_run_id=resume, phases=phases)
     except _user_errors() as exc:
         raise _fail(str(exc)) from None
     finally:
-        disconnect_ray(started)
+        with phases.phase("shutdown"):
+            disconnect_ray(started)
     _print_outcome(cfg, outcome)
+    record_phases(outcome, phases)
+    console.print(phases.line(), highlight=False, soft_wrap=True)
 
 
 def _recorded(run_id: str) -> RaylaneConfig:
@@ -221,6 +228,7 @@ def deploy(
     if detach and not _cluster_address():
         raise _fail("--detach needs a running cluster (set RAY_ADDRESS); a local Ray ends with us")
     started = connect_ray(serve_ingress=cfg.serving.ingress)
+    served = None
     try:
         url, served = deploy_app(cfg)
         console.print(f"serving {cfg.tracking.registered_model} v{served}", highlight=False)
@@ -231,8 +239,25 @@ def deploy(
         raise _fail(str(exc)) from None
     finally:
         if not detach:
-            _shutdown_serve()
-        disconnect_ray(started)
+            import time
+
+            from raylane.serving.app import stop_app_before_local_shutdown
+
+            began = time.monotonic()
+            if started:  # a local Ray: its Serve ends with it
+                stop_app_before_local_shutdown()
+            else:
+                _shutdown_serve()
+            disconnect_ray(started)
+            if served is not None:
+                what = f"{cfg.tracking.registered_model} v{served}"
+                where = "and the local Ray " if started else ""
+                console.print(
+                    f"stopped: Serve app ({what}) {where}in {time.monotonic() - began:.1f} s",
+                    highlight=False,
+                )
+        else:
+            disconnect_ray(started)
 
 
 def _version_override(version: int | None) -> list[str]:
@@ -317,7 +342,7 @@ def _block_until_interrupted() -> None:
         while True:
             time.sleep(1)
     except KeyboardInterrupt:
-        console.print("stopping")
+        console.print("stopping (Ctrl-C)")
 
 
 def _shutdown_serve() -> None:

@@ -66,15 +66,18 @@ class Workspace:
 def ray_cluster():
     """A head node started with `ray start --head` (4 logical CPUs), token authentication on
     (see TOKEN_PATH above). `second_node` adds a node for the tests that need two."""
-    from raylane.serving.ingress import ingress_env
+    from raylane.serving.ingress import DRAIN_ENV, LOCAL_DRAIN_S, ingress_env
 
     saved_path = os.environ.get("PATH", "")
     # Jobs run with the `python` found on PATH when the head started: this venv's.
     os.environ["PATH"] = f"{BIN}{os.pathsep}{saved_path}"
     # Serve's ingress is chosen by the environment of `ray start`, as on a user's cluster: the
     # default, HAProxy. Its stats page and exporter get free ports (fixed ones by default).
+    # No load balancer stands in front of this cluster's HAProxy: stopping replicas drain for
+    # raylane's local period (seconds), not Serve's 30 s; the upgrade-under-load test holds
+    # that to zero failed requests.
     os.environ.update(
-        ingress_env("haproxy"),
+        {**ingress_env("haproxy"), DRAIN_ENV: LOCAL_DRAIN_S},
         RAY_SERVE_HAPROXY_STATS_PORT=str(free_port()),
         RAY_SERVE_HAPROXY_METRICS_PORT=str(free_port()),
     )

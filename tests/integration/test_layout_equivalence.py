@@ -81,9 +81,23 @@ def _reference(cfg, batches):
     return losses, model.state_dict()
 
 
-def _layout_worker(loop_config):
-    """Each worker: its strategy's part of the model; dp replica r trains on rows
-    [r*B, (r+1)*B)."""
+def _layouts_worker(loop_config):
+    """Each worker runs every layout of its world size in turn (one worker group for all of
+    them): `{name: every worker's record}`, or the layout's error."""
+    import traceback
+
+    found = {}
+    for name, (config, batches) in loop_config["layouts"].items():
+        try:
+            found[name] = _layout_worker(config, batches)
+        except Exception:  # noqa: BLE001 - reported by that layout's test
+            found[name] = traceback.format_exc()
+    return found
+
+
+def _layout_worker(config, batches):
+    """One layout on this worker: its strategy's part of the model; dp replica r trains on
+    rows [r*B, (r+1)*B)."""
     import ray.train
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -92,7 +106,7 @@ def _layout_worker(loop_config):
     from raylane.parallel import get_strategy
     from raylane.train.loop import cross_entropy
 
-    cfg = RaylaneConfig.model_validate(loop_config["config"])
+    cfg = RaylaneConfig.model_validate(config)
     rank = ray.train.get_context().get_world_rank()
     torch.set_num_threads(1)
     torch.manual_seed(cfg.training.seed)
@@ -101,7 +115,7 @@ def _layout_worker(loop_config):
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     rows = cfg.training.batch_size
     losses = []
-    for batch in loop_config["batches"]:
+    for batch in batches:
         mine = batch[strategy.data_rank * rows : (strategy.data_rank + 1) * rows]
         loss = strategy.train_step(model, optimizer, cross_entropy, mine[:, :-1], mine[:, 1:])
         losses.append(None if loss is None else loss.item())
@@ -120,7 +134,9 @@ def _layout_worker(loop_config):
     return gathered
 
 
-def _run_layout(cfg, batches, tmp_path):
+@pytest.fixture(scope="module")
+def layout_records(ray_cluster, tmp_path_factory):
+    """Every layout's worker records, from one worker group per world size (2, 4 and 8)."""
     import sys
 
     from ray import cloudpickle
@@ -129,26 +145,42 @@ def _run_layout(cfg, batches, tmp_path):
 
     # Workers cannot import this test module: ship the worker function by value.
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    found = {}
 
-    trainer = TorchTrainer(
-        _layout_worker,
-        train_loop_config={"config": cfg.model_dump(mode="json"), "batches": batches},
-        scaling_config=ScalingConfig(
-            num_workers=cfg.parallelism.workers, resources_per_worker={"CPU": 0.25}
-        ),
-        run_config=RunConfig(storage_path=str(tmp_path), name="equivalence"),
-    )
-    return trainer.fit().return_value
+    def records(name: str):
+        cfg = _config(LAYOUTS[name])
+        world = cfg.parallelism.workers
+        if name not in found:
+            layouts = {}
+            for other in LAYOUTS:
+                other_cfg = _config(LAYOUTS[other])
+                if other_cfg.parallelism.workers == world:
+                    batches = _global_batches(other_cfg, replicas(other_cfg))
+                    layouts[other] = (other_cfg.model_dump(mode="json"), batches)
+            trainer = TorchTrainer(
+                _layouts_worker,
+                train_loop_config={"layouts": layouts},
+                scaling_config=ScalingConfig(num_workers=world, resources_per_worker={"CPU": 0.25}),
+                run_config=RunConfig(
+                    storage_path=str(tmp_path_factory.mktemp("equivalence")),
+                    name=f"equivalence-{world}",
+                ),
+            )
+            found.update(trainer.fit().return_value)
+        return found[name]
+
+    return records
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_training_equals_single_process(ray_cluster, tmp_path, name):
+def test_layout_training_equals_single_process(layout_records, name):
     cfg = _config(LAYOUTS[name])
     dp = replicas(cfg)
     batches = _global_batches(cfg, dp)
     expected_losses, expected_state = _reference(cfg, batches)
 
-    records = _run_layout(cfg, batches, tmp_path)
+    records = layout_records(name)
+    assert not isinstance(records, str), records  # the layout's own error, from its workers
     by_replica = {}
     for record in records:
         losses = [loss for loss in record["losses"] if loss is not None]

@@ -25,6 +25,7 @@ from raylane.config import load_config
 from raylane.tracking.identity import code_digest
 from tests.readme_blocks import Block, read_blocks
 
+from .conftest import free_port
 from .readme_runner import Background, BlockRun, clean_env, fresh_copy, run_block, run_commands
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -117,96 +118,154 @@ def test_command_line_block(readme):
     assert scores[1] > scores[0], scores
 
 
-def test_pipeline_block(readme):
-    copy, env, _ = readme
+@pytest.fixture(scope="class")
+def on_cluster(readme):
+    """A `ray start` cluster, as a user's would be, for the blocks that do not test a local
+    start: their commands reach it through RAY_ADDRESS (with the token, RAY_AUTH_MODE=token)
+    instead of each starting and stopping a Ray of its own. Stopped at the end of the class,
+    before the blocks that start Ray themselves."""
+    copy, env, root = readme
+    cluster_env = {**env, "RAY_AUTH_MODE": "token"}
+    port = free_port()
+    ports = [f"--dashboard-port={free_port()}", f"--ray-client-server-port={free_port()}"]
+    run = {"cwd": copy, "env": cluster_env, "capture_output": True, "timeout": 120}
+    subprocess.run(["ray", "get-auth-token", "--generate"], check=True, **run)
+    subprocess.run(
+        ["ray", "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+         "--dashboard-host=127.0.0.1", *ports, "--disable-usage-stats"],
+        check=True, **run,
+    )  # fmt: skip
+    try:
+        yield copy, {**cluster_env, "RAY_ADDRESS": f"127.0.0.1:{port}"}, root
+    finally:
+        _ray_stop(copy, cluster_env)
 
-    def fill(command: str, done) -> str:
-        if "<run>" not in command:
+
+class TestOnARunningCluster:
+    def test_pipeline_block(self, on_cluster):
+        copy, env, _ = on_cluster
+
+        def fill(command: str, done) -> str:
+            if "<run>" not in command:
+                return command
+            first = done[0].output  # the GPipe run: same layout as the resumed one
+            run_dir = re.search(r"runs/([^/\s]+)/epoch_0002", first).group(1)
+            return command.replace("<run>", run_dir)
+
+        run = _ok(run_commands(PIPELINES, copy, env, timeout_s=1200, fill=fill), PIPELINES.where)
+        for command in run.commands:
+            assert "val_loss" in command.output, command.output
+        resumed = run.commands[-1].output
+        assert "epoch 5/5" in resumed and "epoch 1/5" not in resumed, resumed
+        # Epochs 1-3 came from the stages' checkpoint parts; only 4 and 5 were trained.
+        run_id = re.search(r"MLflow run ([0-9a-f]{32})", resumed).group(1)
+        client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
+        assert [m.step for m in client.get_metric_history(run_id, "train_loss")] == [3, 4]
+
+        # The hybrid run: 4 workers as dp=2 replicas of a 2-stage pipeline, and it learned.
+        hybrid = re.search(r"MLflow run ([0-9a-f]{32})", run.commands[1].output).group(1)
+        snapshot_path = client.download_artifacts(hybrid, "cluster/snapshot.json")
+        snapshot = json.loads(Path(snapshot_path).read_text())
+        assert (snapshot["run"]["dp"], snapshot["run"]["pp"], snapshot["run"]["workers"]) == (
+            2,
+            2,
+            4,
+        )
+        assert client.get_run(hybrid).data.metrics["val_loss"] < math.log(256)
+        layout = Path(client.download_artifacts(hybrid, "parallel/stage_layout.txt")).read_text()
+        assert "(x2 replicas)" in layout
+
+    def test_sharded_block(self, on_cluster):
+        copy, env, _ = on_cluster
+        run = _ok(run_block(SHARDED, copy, env, timeout_s=900), SHARDED.where)
+        client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
+        for command, experiment, workers in zip(
+            run.commands, ("lm-tp", "lm-fsdp", "lm-fsdp", "lm-3d"), (2, 2, 4, 8), strict=True
+        ):
+            run_id = re.search(r"MLflow run ([0-9a-f]{32})", command.output).group(1)
+            found = client.get_run(run_id)
+            assert (
+                found.info.experiment_id == client.get_experiment_by_name(experiment).experiment_id
+            )
+            assert found.data.params["parallelism.workers"] == str(workers)
+            assert found.data.metrics["val_loss"] < math.log(256)  # better than a uniform guess
+            assert found.data.metrics["worker_param_mb"] > 0
+            # The summary table's row: "checkpoint │ <path>/epoch_NNNN".
+            checkpoint = copy / re.findall(r"checkpoint[\s│]+(\S+epoch_\d{4})", command.output)[-1]
+            assert (checkpoint / "sharded" / ".metadata").is_file(), checkpoint
+
+    def test_consistency_block(self, on_cluster):
+        copy, env, _ = on_cluster
+        run = _ok(run_block(CONSISTENCY, copy, env, timeout_s=600), CONSISTENCY.where)
+        output = run.commands[0].output
+        assert "epoch 2/2" in output, output
+        run_id = re.search(r"MLflow run ([0-9a-f]{32})", output).group(1)
+        client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
+        metrics = client.get_run(run_id).data.metrics
+        assert client.get_run(run_id).data.params["parallelism.strategy"] == "ssp"
+        # The stragglers slept, updates were stale, yet no more than ssp allows (2 workers, s=2).
+        assert metrics["step_straggler_ms"] > 0 and metrics["step_split_error"] < 0.2, metrics
+        assert 0 < metrics["staleness_max"] <= 5, metrics
+        assert metrics["val_accuracy"] > 0.5, metrics  # chance is 0.1
+        artifacts = {a.path for a in client.list_artifacts(run_id)}
+        assert {"staleness_histogram.json", "step_time_split.png"} <= artifacts, artifacts
+
+    def test_tune_block(self, on_cluster):
+        copy, env, _ = on_cluster
+        run = _ok(run_block(TUNE, copy, env, timeout_s=1200), TUNE.where)
+        assert "winner:" in run.output, run.output[-4000:]
+        best = copy / "configs" / "generated" / "lm-parallelism-best.yaml"
+        cfg = load_config(best)  # the winner is a valid, runnable training config
+        assert cfg.training.steps_per_epoch is None  # a full run, not the trial's short epochs
+        with (copy / "configs" / "generated" / "lm-parallelism-trials.csv").open() as handle:
+            winner = next(csv.DictReader(handle))
+        # The config written is the layout ranked first.
+        assert cfg.parallelism.strategy == winner["strategy"], (cfg.parallelism, winner)
+        assert cfg.parallelism.workers == int(winner["workers"]), (cfg.parallelism, winner)
+        assert winner["status"] == "ok" and float(winner["samples_per_s"]) > 0
+        # The winner learned in its few trial steps: well below a uniform guess over 256 bytes.
+        assert float(winner["train_loss"]) < 0.8 * math.log(256), winner
+        # One line per trial event, not Tune's status tables with every trial's config.
+        assert "Trial status:" not in run.output and "'config': {" not in run.output
+        # 5 valid layouts: at most the 3 predicted fastest measured, the rest predicted only.
+        with (copy / "configs" / "generated" / "lm-parallelism-trials.csv").open() as handle:
+            statuses = [
+                row["status"] for row in csv.DictReader(handle) if row["status"] != "pruned"
+            ]
+        assert len(statuses) == 5 and 2 <= statuses.count("not run") <= 4, statuses
+        tune_output = " ".join(run.command("raylane tune").output.split())  # lines wrap
+        assert re.search(r"predictions: profile run [0-9a-f]{32}, step work x[\d.]+", tune_output)
+
+        profile = run.command("raylane profile").output
+        assert "one block, forward + backward" in profile and "all-reduce" in profile, profile
+        assert re.search(r"MLflow run [0-9a-f]{32}", profile)
+
+    def test_reproducibility_block(self, on_cluster):
+        copy, env, _ = on_cluster
+
+        def fill(command: str, done) -> str:
+            if "<run-id>" in command:
+                run_id = re.search(r"MLflow run ([0-9a-f]{32})", done[0].output).group(1)
+                command = command.replace("<run-id>", run_id)
+            if "<other-run-id>" in command:
+                again = re.search(r"\(run ([0-9a-f]{32}) reproduces", done[1].output).group(1)
+                command = command.replace("<other-run-id>", again)
             return command
-        first = done[0].output  # the GPipe run: same layout as the resumed one
-        run_dir = re.search(r"runs/([^/\s]+)/epoch_0002", first).group(1)
-        return command.replace("<run>", run_dir)
 
-    run = _ok(run_commands(PIPELINES, copy, env, timeout_s=1200, fill=fill), PIPELINES.where)
-    for command in run.commands:
-        assert "val_loss" in command.output, command.output
-    resumed = run.commands[-1].output
-    assert "epoch 5/5" in resumed and "epoch 1/5" not in resumed, resumed
-    # Epochs 1-3 came from the stages' checkpoint parts; only 4 and 5 were trained.
-    run_id = re.search(r"MLflow run ([0-9a-f]{32})", resumed).group(1)
-    client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
-    assert [m.step for m in client.get_metric_history(run_id, "train_loss")] == [3, 4]
-
-    # The hybrid run: 4 workers as dp=2 replicas of a 2-stage pipeline, and it learned.
-    hybrid = re.search(r"MLflow run ([0-9a-f]{32})", run.commands[1].output).group(1)
-    snapshot_path = client.download_artifacts(hybrid, "cluster/snapshot.json")
-    snapshot = json.loads(Path(snapshot_path).read_text())
-    assert (snapshot["run"]["dp"], snapshot["run"]["pp"], snapshot["run"]["workers"]) == (2, 2, 4)
-    assert client.get_run(hybrid).data.metrics["val_loss"] < math.log(256)
-    layout = Path(client.download_artifacts(hybrid, "parallel/stage_layout.txt")).read_text()
-    assert "(x2 replicas)" in layout
-
-
-def test_sharded_block(readme):
-    copy, env, _ = readme
-    run = _ok(run_block(SHARDED, copy, env, timeout_s=900), SHARDED.where)
-    client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
-    for command, experiment, workers in zip(
-        run.commands, ("lm-tp", "lm-fsdp", "lm-fsdp", "lm-3d"), (2, 2, 4, 8), strict=True
-    ):
-        run_id = re.search(r"MLflow run ([0-9a-f]{32})", command.output).group(1)
-        found = client.get_run(run_id)
-        assert found.info.experiment_id == client.get_experiment_by_name(experiment).experiment_id
-        assert found.data.params["parallelism.workers"] == str(workers)
-        assert found.data.metrics["val_loss"] < math.log(256)  # better than a uniform guess
-        assert found.data.metrics["worker_param_mb"] > 0
-        # The summary table's row: "checkpoint │ <path>/epoch_NNNN".
-        checkpoint = copy / re.findall(r"checkpoint[\s│]+(\S+epoch_\d{4})", command.output)[-1]
-        assert (checkpoint / "sharded" / ".metadata").is_file(), checkpoint
-
-
-def test_consistency_block(readme):
-    copy, env, _ = readme
-    run = _ok(run_block(CONSISTENCY, copy, env, timeout_s=600), CONSISTENCY.where)
-    output = run.commands[0].output
-    assert "epoch 2/2" in output, output
-    run_id = re.search(r"MLflow run ([0-9a-f]{32})", output).group(1)
-    client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
-    metrics = client.get_run(run_id).data.metrics
-    assert client.get_run(run_id).data.params["parallelism.strategy"] == "ssp"
-    # The stragglers slept, updates were stale, yet no more than ssp allows (2 workers, s=2).
-    assert metrics["step_straggler_ms"] > 0 and metrics["step_split_error"] < 0.2, metrics
-    assert 0 < metrics["staleness_max"] <= 5, metrics
-    assert metrics["val_accuracy"] > 0.5, metrics  # chance is 0.1
-    artifacts = {a.path for a in client.list_artifacts(run_id)}
-    assert {"staleness_histogram.json", "step_time_split.png"} <= artifacts, artifacts
-
-
-def test_tune_block(readme):
-    copy, env, _ = readme
-    run = _ok(run_block(TUNE, copy, env, timeout_s=1200), TUNE.where)
-    assert "winner:" in run.output, run.output[-4000:]
-    best = copy / "configs" / "generated" / "lm-parallelism-best.yaml"
-    cfg = load_config(best)  # the winner is a valid, runnable training config
-    assert cfg.parallelism.strategy in ("ddp", "pipeline", "hybrid")
-    assert cfg.training.steps_per_epoch is None  # a full run, not the trial's short epochs
-    with (copy / "configs" / "generated" / "lm-parallelism-trials.csv").open() as handle:
-        winner = next(csv.DictReader(handle))
-    assert winner["status"] == "ok" and float(winner["samples_per_s"]) > 0
-    # The winner learned in its few trial steps: well below a uniform guess over 256 bytes.
-    assert float(winner["train_loss"]) < 0.8 * math.log(256), winner
-    # One line per trial event, not Tune's status tables with every trial's config.
-    assert "Trial status:" not in run.output and "'config': {" not in run.output
-    # 5 valid layouts: at most the 3 predicted fastest measured, the rest predicted only.
-    with (copy / "configs" / "generated" / "lm-parallelism-trials.csv").open() as handle:
-        statuses = [row["status"] for row in csv.DictReader(handle) if row["status"] != "pruned"]
-    assert len(statuses) == 5 and 2 <= statuses.count("not run") <= 4, statuses
-    tune_output = " ".join(run.command("raylane tune").output.split())  # lines wrap
-    assert re.search(r"predictions: profile run [0-9a-f]{32}, step work x[\d.]+", tune_output)
-
-    profile = run.command("raylane profile").output
-    assert "one block, forward + backward" in profile and "all-reduce" in profile, profile
-    assert re.search(r"MLflow run [0-9a-f]{32}", profile)
+        run = _ok(run_commands(REPRODUCE, copy, env, timeout_s=900, fill=fill), REPRODUCE.where)
+        reproduce, compare = run.commands[1].output, run.commands[2].output
+        original = re.search(r"MLflow run ([0-9a-f]{32})", run.commands[0].output).group(1)
+        again = re.search(r"\(run ([0-9a-f]{32}) reproduces", reproduce).group(1)
+        assert "identical" in reproduce and "≠" not in reproduce, reproduce
+        client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
+        tags = client.get_run(again).data.tags
+        assert tags["raylane.reproduces"] == original and tags["raylane.reproduced"] == "identical"
+        assert (
+            tags["raylane.weights_digest"]
+            == client.get_run(original).data.tags["raylane.weights_digest"]
+        )
+        # Code, data, versions, cluster, config, final metrics and weights all agree.
+        assert f"runs {original} and {again} agree in" in compare, compare
 
 
 def test_plan_block(readme):
@@ -229,34 +288,6 @@ def test_mlflow_ui_block(readme):
     finally:
         server.interrupt()
     assert _port_closed(5000)
-
-
-def test_reproducibility_block(readme):
-    copy, env, _ = readme
-
-    def fill(command: str, done) -> str:
-        if "<run-id>" in command:
-            run_id = re.search(r"MLflow run ([0-9a-f]{32})", done[0].output).group(1)
-            command = command.replace("<run-id>", run_id)
-        if "<other-run-id>" in command:
-            again = re.search(r"\(run ([0-9a-f]{32}) reproduces", done[1].output).group(1)
-            command = command.replace("<other-run-id>", again)
-        return command
-
-    run = _ok(run_commands(REPRODUCE, copy, env, timeout_s=900, fill=fill), REPRODUCE.where)
-    reproduce, compare = run.commands[1].output, run.commands[2].output
-    original = re.search(r"MLflow run ([0-9a-f]{32})", run.commands[0].output).group(1)
-    again = re.search(r"\(run ([0-9a-f]{32}) reproduces", reproduce).group(1)
-    assert "identical" in reproduce and "≠" not in reproduce, reproduce
-    client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
-    tags = client.get_run(again).data.tags
-    assert tags["raylane.reproduces"] == original and tags["raylane.reproduced"] == "identical"
-    assert (
-        tags["raylane.weights_digest"]
-        == client.get_run(original).data.tags["raylane.weights_digest"]
-    )
-    # Code, data, versions, cluster, config, final metrics and weights all agree.
-    assert f"runs {original} and {again} agree in" in compare, compare
 
 
 def test_deploy_calls_and_triton_blocks(readme):
@@ -305,7 +336,9 @@ def test_rolling_upgrade_block(readme):
     assert "now serves v1" in run.command("raylane promote 1").output
     assert "serving raylane-digits v2" in run.command("raylane deploy --detach --version 2").output
     status = run.command("raylane status").output
-    assert "raylane" in status and "2" in status, status
+    rows = [line for line in status.splitlines() if "raylane" in line and "model" in line]
+    assert rows, status
+    assert all(re.search(r"\bv2\b", r) and not re.search(r"\bv1\b", r) for r in rows), status
 
 
 def test_job_submit_block(readme):

@@ -374,6 +374,8 @@ def test_the_raw_api_key_stays_out_of_ray(endpoint, ray_cluster):
     or config the dashboard or State API shows, and in no log file of the cluster."""
     import ray
 
+    from raylane.serving.app import APP_NAME
+
     assert httpx.post(f"{endpoint}{INFER}", json=ROW, headers=AUTH).status_code == 200
     token = ray_cluster.token_path.read_text().strip()
     headers = {"Authorization": f"Bearer {token}"}
@@ -384,8 +386,17 @@ def test_the_raw_api_key_stays_out_of_ray(endpoint, ray_cluster):
     ):
         answer = httpx.get(f"{ray_cluster.dashboard_url}{path}", headers=headers, timeout=60)
         assert answer.status_code == 200, (path, answer.text[:300])
-        assert "raylane" in answer.text or "result" in answer.text  # a real answer
         assert API_KEY not in answer.text, path
+        # A real answer: the app, its replica actors, the cluster's tasks.
+        payload = answer.json()
+        if path.startswith("/api/serve"):
+            assert APP_NAME in payload["applications"], list(payload["applications"])
+            continue
+        rows = payload["data"]["result"]["result"]
+        assert rows, (path, payload["data"]["result"])
+        if "actors" in path:
+            names = {row.get("class_name", "") for row in rows}
+            assert any(name.startswith("ServeReplica") for name in names), names
     logs = Path(ray._private.worker._global_node.get_logs_dir_path())
     files = [path for path in logs.rglob("*") if path.is_file()]
     assert len(files) > 10

@@ -2,12 +2,19 @@ import os
 
 import pytest
 
-from raylane.serving.ingress import FAST_INGRESS_ENV, apply_ingress_env, running_ingress
+from raylane.serving.ingress import (
+    DRAIN_ENV,
+    FAST_INGRESS_ENV,
+    LOCAL_DRAIN_S,
+    apply_ingress_env,
+    export_lines,
+    running_ingress,
+)
 
 
 @pytest.fixture
 def clean_env(monkeypatch):
-    for name in FAST_INGRESS_ENV:
+    for name in [*FAST_INGRESS_ENV, DRAIN_ENV]:
         monkeypatch.delenv(name, raising=False)
 
 
@@ -30,3 +37,17 @@ def test_a_users_own_setting_wins_over_the_default(clean_env, monkeypatch):
     apply_ingress_env("haproxy")
     assert os.environ["RAY_SERVE_THROUGHPUT_OPTIMIZED"] == "0"
     assert os.environ["RAY_SERVE_ENABLE_HA_PROXY"] == "1"
+
+
+def test_a_ray_started_here_drains_stopping_replicas_in_seconds(clean_env, monkeypatch):
+    apply_ingress_env("haproxy")
+    assert float(os.environ[DRAIN_ENV]) == float(LOCAL_DRAIN_S) <= 5
+    monkeypatch.setenv(DRAIN_ENV, "20")  # a user's own period wins
+    apply_ingress_env("haproxy")
+    assert os.environ[DRAIN_ENV] == "20"
+
+
+def test_a_cluster_keeps_serves_drain_period():
+    # `eval "$(raylane serve-env)"` before `ray start`: an external load balancer may still
+    # send traffic to a stopping replica, so Serve's default (30 s) stays.
+    assert DRAIN_ENV not in export_lines("haproxy")

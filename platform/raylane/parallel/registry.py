@@ -5,43 +5,41 @@ from __future__ import annotations
 from raylane.config import RaylaneConfig
 from raylane.parallel.base import ParallelStrategy
 
-
-def _strategies() -> dict[str, type]:
-    from raylane.parallel.async_sgd import ParameterServerTraining
-    from raylane.parallel.ddp import DataParallel
-    from raylane.parallel.fsdp import FullyShardedDataParallel
-    from raylane.parallel.local_sgd import LocalSGD
-    from raylane.parallel.pipeline import PipelineParallel
-    from raylane.parallel.tensor_parallel import TensorParallel
-
-    return {
-        "ddp": DataParallel,
-        "pipeline": PipelineParallel,
-        "hybrid": PipelineParallel,
-        "tp": TensorParallel,
-        "fsdp": FullyShardedDataParallel,
-        "local_sgd": LocalSGD,
-        "async": ParameterServerTraining,
-        "ssp": ParameterServerTraining,
-    }
+# Where each strategy lives: a job imports only its own (the FSDP, DTensor and pipelining
+# modules cost a worker seconds of imports that a DDP run never uses).
+_STRATEGIES = {
+    "ddp": "raylane.parallel.ddp:DataParallel",
+    "pipeline": "raylane.parallel.pipeline:PipelineParallel",
+    "hybrid": "raylane.parallel.pipeline:PipelineParallel",
+    "tp": "raylane.parallel.tensor_parallel:TensorParallel",
+    "fsdp": "raylane.parallel.fsdp:FullyShardedDataParallel",
+    "local_sgd": "raylane.parallel.local_sgd:LocalSGD",
+    "async": "raylane.parallel.async_sgd:ParameterServerTraining",
+    "ssp": "raylane.parallel.async_sgd:ParameterServerTraining",
+}
 
 
-def available_strategies() -> list[str]:
-    return sorted(_strategies())
+def _strategy_class(name: str) -> type:
+    import importlib
 
-
-def splits_dataset(name: str) -> bool:
-    """Whether Ray Train should shard the datasets across the workers of this strategy."""
-    return _strategies()[name].splits_dataset
-
-
-def get_strategy(cfg: RaylaneConfig, rank: int) -> ParallelStrategy:
-    """The configured strategy for the worker of global `rank` (process group initialised)."""
-    name = cfg.parallelism.strategy
     try:
-        strategy = _strategies()[name]
+        module, _, attribute = _STRATEGIES[name].partition(":")
     except KeyError:
         raise ValueError(
             f"unknown parallelism strategy {name!r}; available: {', '.join(available_strategies())}"
         ) from None
-    return strategy(cfg, rank)
+    return getattr(importlib.import_module(module), attribute)
+
+
+def available_strategies() -> list[str]:
+    return sorted(_STRATEGIES)
+
+
+def splits_dataset(name: str) -> bool:
+    """Whether Ray Train should shard the datasets across the workers of this strategy."""
+    return _strategy_class(name).splits_dataset
+
+
+def get_strategy(cfg: RaylaneConfig, rank: int) -> ParallelStrategy:
+    """The configured strategy for the worker of global `rank` (process group initialised)."""
+    return _strategy_class(cfg.parallelism.strategy)(cfg, rank)

@@ -178,11 +178,30 @@ def shutdown_serve(timeout_s: float = 120.0) -> None:
     """
     import ray
     from ray import serve
-    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
     if not ray.is_initialized():
         return
     serve.shutdown()
+    _wait_for_controller_exit(timeout_s)
+
+
+def stop_app_before_local_shutdown() -> None:
+    """For a local Ray about to be shut down: delete raylane's app (its replicas drain and stop
+    gracefully) and leave Serve's controller to end with Ray. `serve.shutdown()` here would have
+    the controller kill itself during its own graceful-shutdown call, which Ray then reports as
+    a failed task on the console."""
+    import ray
+    from ray import serve
+
+    if ray.is_initialized() and APP_NAME in running_app_names():
+        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the caller says what stopped
+        serve.delete(APP_NAME)
+
+
+def _wait_for_controller_exit(timeout_s: float) -> None:
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:

@@ -35,8 +35,17 @@ def ingress_env(ingress: Ingress) -> dict[str, str]:
     return {"RAY_SERVE_ENABLE_HA_PROXY": "0", "RAY_SERVE_THROUGHPUT_OPTIMIZED": "0"}
 
 
+# How long a stopping replica stays reachable behind HAProxy before it refuses new
+# connections (which HAProxy retries on another replica). Serve's default, 30 s, leaves time
+# for an external load balancer to deregister the replica; a Ray that raylane starts itself
+# has none in front of HAProxy, so its replicas stop in seconds. Clusters keep the default.
+DRAIN_ENV = "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"
+LOCAL_DRAIN_S = "2"
+
+
 def apply_ingress_env(ingress: Ingress) -> None:
-    """Set `ingress`'s variables in this process, so a Ray started from it runs that ingress.
+    """Set `ingress`'s variables in this process, so a Ray started from it (a local Ray,
+    started by raylane) runs that ingress, with a short drain period (`LOCAL_DRAIN_S`).
 
     A variable the user already set to another value wins for 'haproxy' (it is a default);
     'proxy' turns both off.
@@ -46,6 +55,7 @@ def apply_ingress_env(ingress: Ingress) -> None:
             os.environ.setdefault(name, value)
         else:
             os.environ[name] = value
+    os.environ.setdefault(DRAIN_ENV, LOCAL_DRAIN_S)
 
 
 def running_ingress() -> Ingress:

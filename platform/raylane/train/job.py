@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 
 from raylane.config import RaylaneConfig
+from raylane.train.phases import MARK_PREFIX, PhaseClock, marks_from_metrics
 
 log = logging.getLogger("raylane")
 
@@ -74,6 +76,20 @@ def preflight(cfg: RaylaneConfig) -> str:
     return tracking_uri
 
 
+def record_phases(outcome: TrainingOutcome, phases: PhaseClock) -> None:
+    """The phases measured after the run closed (Ray's shutdown) and the job's total, added
+    to the run's `phase_*_s` metrics."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=outcome.tracking_uri)
+    late = {
+        "phase_shutdown_s": phases.seconds.get("shutdown", 0.0),
+        "phase_total_s": phases.total(),
+    }
+    for name, value in late.items():
+        client.log_metric(outcome.run_id, name, value)
+
+
 def check_resumable(directory: Path) -> None:
     """Refuse, before Ray starts, a resume path that holds no checkpoint."""
     from raylane.data import DataError
@@ -99,6 +115,7 @@ def run_training(
     register: bool = True,
     tags: dict[str, str] | None = None,
     resume_run_id: str | None = None,
+    phases: PhaseClock | None = None,
 ) -> TrainingOutcome:
     """Run one training job end to end and return where its results are.
 
@@ -108,6 +125,8 @@ def run_training(
     and storage path and hands the workers its latest checkpoint.
 
     Everything that can fail cheaply (data, tracking store) is checked before Ray starts.
+    `phases` collects where the wall time went (`raylane.train.phases`); the run records it
+    as `phase_*_s` metrics.
     """
     import mlflow
     from mlflow.tracking import MlflowClient
@@ -124,10 +143,13 @@ def run_training(
     from raylane.train.progress import EpochProgress
     from raylane.train.trainer import build_trainer
 
-    tracking_uri = preflight(cfg)
-    digest = dataset_digest(cfg.data.train_path, cfg.data.validation_path)
-
-    connect_ray()
+    phases = phases or PhaseClock()
+    with phases.phase("preflight"):
+        tracking_uri = preflight(cfg)
+        digest = dataset_digest(cfg.data.train_path, cfg.data.validation_path)
+    with phases.phase("ray"):
+        connect_ray()
+    setup_start = time.time()
     mlflow.set_tracking_uri(tracking_uri)
     experiment = mlflow.set_experiment(cfg.experiment)
     if resume_run_id:
@@ -160,11 +182,19 @@ def run_training(
             cfg.parallelism.workers,
             cfg.training.epochs,
         )
+        fit_start = time.time()
+        phases.add("run_setup", fit_start - setup_start)
         with EpochProgress(tracking_uri, run.info.run_id, cfg.training.epochs):
             result = _fit(trainer)
+        fit_end = time.time()
         if result.checkpoint is None:
             raise RuntimeError(f"run {run_name} ended without a checkpoint")
-        metrics = {k: v for k, v in result.metrics.items() if isinstance(v, int | float)}
+        phases.split_fit(fit_start, fit_end, marks_from_metrics(result.metrics))
+        metrics = {
+            k: v
+            for k, v in result.metrics.items()
+            if isinstance(v, int | float) and not k.startswith(MARK_PREFIX)
+        }
         mlflow.set_tag("raylane.checkpoint", result.checkpoint.path)
 
         final = _final_model(cfg, result.checkpoint)
@@ -192,6 +222,8 @@ def run_training(
             model_uri, version, promoted = (
                 model_info.model_uri, decision.version, decision.promoted
             )  # fmt: skip
+        phases.add("model", time.time() - fit_end)
+        mlflow.log_metrics(phases.metrics())
     return TrainingOutcome(
         run_id=run.info.run_id,
         experiment_id=experiment.experiment_id,

@@ -37,6 +37,7 @@ from raylane.train.checkpointing import (
     save_sharded_checkpoint,
 )
 from raylane.train.optim import build_optimizer
+from raylane.train.phases import WorkerMarks
 from raylane.train.step_times import StepTimes, step_metrics
 from raylane.train.straggler import Straggler
 
@@ -94,7 +95,7 @@ def _my_batches(strategy, shard, cfg: RaylaneConfig, shuffle_seed: int | None) -
         yield inputs[first : first + rows], targets[first : first + rows]
 
 
-def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank):
+def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank, marks=None):
     """One epoch: mean loss, rows seen by the group, this worker's epoch time, and the
     group's step-time split (`raylane.train.step_times`)."""
     model.train()
@@ -111,8 +112,12 @@ def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank):
     if own_meter:
         activations = ActivationMeter()
     activations.reset()
+    if marks is not None:
+        marks.mark("data_start")
     start = step_start = time.perf_counter()
     for step, (inputs, targets) in enumerate(batches):
+        if marks is not None:
+            marks.mark("first_batch")
         if cfg.training.steps_per_epoch is not None and step >= cfg.training.steps_per_epoch:
             break
         data_wait = time.perf_counter() - step_start
@@ -130,6 +135,8 @@ def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank):
         if straggler.waited_s:
             parts["straggler"] = straggler.waited_s
         times.add(now - step_start, data_wait, parts)
+        if marks is not None:
+            marks.mark("first_step")
         step_start = now
     elapsed = time.perf_counter() - start
     steps_done = getattr(strategy, "steps_done", None)  # before the collective below
@@ -214,6 +221,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     (`tracking_uri`, `run_id`): rank 0 logs the epochs, the first rank on each node its
     system metrics, and every rank its console output (`logs/rank-N.*`).
     """
+    marks = WorkerMarks()  # rank 0's marks split the job's phases (raylane.train.phases)
     cfg = RaylaneConfig.model_validate(loop_config["config"])
     context = ray.train.get_context()
     rank = context.get_world_rank()
@@ -267,7 +275,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         interval_s = cfg.tracking.system_metrics_interval_s
         monitor = start_node_monitor(uri, run_id, interval_s, first_here)
     try:
-        _train_epochs(strategy, model, optimizer, cfg, start_epoch, rank, epoch_logger)
+        _train_epochs(strategy, model, optimizer, cfg, start_epoch, rank, epoch_logger, marks)
         if epoch_logger is not None:
             epoch_logger.close()  # metrics held back by a tracking outage
     finally:
@@ -282,14 +290,16 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 print(f"raylane: worker logs not kept: {exc}", file=sys.stderr)
 
 
-def _train_epochs(strategy, model, optimizer, cfg, start_epoch, rank, epoch_logger) -> None:
+def _train_epochs(
+    strategy, model, optimizer, cfg, start_epoch, rank, epoch_logger, marks=None
+) -> None:
     """From `start_epoch` on: train, evaluate, log (rank 0), checkpoint and report each epoch."""
     train_shard = ray.train.get_dataset_shard("train")
     validation_shard = ray.train.get_dataset_shard("validation")
     split_history: list[dict[str, float]] = []
     for epoch in range(start_epoch, cfg.training.epochs):
         train_loss, rows, elapsed, split = _train_epoch(
-            strategy, model, optimizer, train_shard, cfg, epoch, rank
+            strategy, model, optimizer, train_shard, cfg, epoch, rank, marks
         )
         stats = strategy.epoch_stats()
         val_loss, val_accuracy = _evaluate(strategy, model, validation_shard, cfg)
@@ -333,7 +343,7 @@ def _train_epochs(strategy, model, optimizer, cfg, start_epoch, rank, epoch_logg
                     strategy.checkpoint_part,
                 )
             ray.train.report(
-                metrics,
+                {**metrics, **(marks.report_metrics() if marks is not None else {})},
                 checkpoint=ray.train.Checkpoint.from_directory(directory) if reports else None,
                 checkpoint_dir_name=f"epoch_{epoch:04d}",
             )

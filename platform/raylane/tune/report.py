@@ -12,6 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from raylane.config.loader import config_to_yaml
+from raylane.train.phases import MARK_PREFIX
 from raylane.tune.candidates import trial_config
 from raylane.tune.search import SearchOutcome, TrialOutcome
 from raylane.tune.spec import TuneSpec
@@ -244,7 +245,11 @@ def log_to_mlflow(spec: TuneSpec, outcome: SearchOutcome, files: list[Path]) -> 
                 mlflow.log_params({k: str(v) for k, v in trial.candidate.overrides.items()})
                 mlflow.set_tags({"raylane.trial_status": trial.status,
                                  "raylane.trial_detail": trial.detail[:500]})  # fmt: skip
-                metrics = {k: v for k, v in trial.metrics.items() if k != "epoch"}
+                metrics = {
+                    k: v
+                    for k, v in trial.metrics.items()
+                    if k != "epoch" and not k.startswith(MARK_PREFIX)
+                }
                 if trial.predicted is not None:
                     metrics["predicted_step_ms"] = trial.predicted.step_ms
                     metrics["predicted_samples_per_s"] = trial.predicted.samples_per_s
