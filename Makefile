@@ -33,6 +33,7 @@ format: install
 	$(BIN)/ruff check --fix .
 
 bench: install
+	$(BIN)/python benchmarks/job_startup.py
 	$(BIN)/python benchmarks/train_overhead.py
 	$(BIN)/python benchmarks/pipeline_bubble.py
 	$(BIN)/python benchmarks/tune_vs_grid.py

@@ -33,7 +33,7 @@ def _run(workspace, *extra: str):
             *extra,
         ),
     )
-    outcome = run_training(cfg)
+    outcome = run_training(cfg, register=False)  # nobody here reads the model
     return cfg, outcome, MlflowClient(tracking_uri=workspace.tracking_uri)
 
 

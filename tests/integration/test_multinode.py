@@ -23,7 +23,7 @@ def _run(workspace, *overrides: str):
             *overrides,
         ),
     )
-    outcome = run_training(cfg)
+    outcome = run_training(cfg, register=False)  # nobody here reads the model
     client = MlflowClient(tracking_uri=workspace.tracking_uri)
 
     def artifact(path: str) -> dict:
