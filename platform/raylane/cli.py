@@ -238,26 +238,21 @@ def deploy(
     except _user_errors() as exc:
         raise _fail(str(exc)) from None
     finally:
+        import time
+
+        from raylane.serving.app import stop_serve
+
+        began = time.monotonic()
         if not detach:
-            import time
-
-            from raylane.serving.app import stop_app_before_local_shutdown
-
-            began = time.monotonic()
-            if started:  # a local Ray: its Serve ends with it
-                stop_app_before_local_shutdown()
-            else:
-                _shutdown_serve()
-            disconnect_ray(started)
-            if served is not None:
-                what = f"{cfg.tracking.registered_model} v{served}"
-                where = "and the local Ray " if started else ""
-                console.print(
-                    f"stopped: Serve app ({what}) {where}in {time.monotonic() - began:.1f} s",
-                    highlight=False,
-                )
-        else:
-            disconnect_ray(started)
+            stop_serve(local_ray=started)
+        disconnect_ray(started)
+        if not detach and served is not None:
+            what = f"{cfg.tracking.registered_model} v{served}"
+            where = "and the local Ray " if started else ""
+            console.print(
+                f"stopped: Serve app ({what}) {where}in {time.monotonic() - began:.1f} s",
+                highlight=False,
+            )
 
 
 def _version_override(version: int | None) -> list[str]:
@@ -343,12 +338,6 @@ def _block_until_interrupted() -> None:
             time.sleep(1)
     except KeyboardInterrupt:
         console.print("stopping (Ctrl-C)")
-
-
-def _shutdown_serve() -> None:
-    from raylane.serving.app import shutdown_serve
-
-    shutdown_serve()
 
 
 @app.command()

@@ -41,12 +41,7 @@ def run_quickstart(cfg: RaylaneConfig, rows: int, console: Console) -> None:
     from raylane.data import ensure_dataset
     from raylane.data.parquet import read_rows
     from raylane.runtime import connect_ray, disconnect_ray
-    from raylane.serving.app import (
-        deploy,
-        load_api_key_for,
-        shutdown_serve,
-        stop_app_before_local_shutdown,
-    )
+    from raylane.serving.app import deploy, load_api_key_for, stop_serve
     from raylane.train.job import run_training
 
     console.rule("[1/4] prepare data")
@@ -82,8 +77,5 @@ def run_quickstart(cfg: RaylaneConfig, rows: int, console: Console) -> None:
         console.print(f"run: {outcome.run_id}  checkpoint: {outcome.checkpoint_path}")
     finally:
         console.rule("shutting down")
-        if started:  # a local Ray: its Serve ends with it
-            stop_app_before_local_shutdown()
-        else:
-            shutdown_serve()  # a no-op when Ray is not running
+        stop_serve(local_ray=started)  # a no-op when Ray is not running
         disconnect_ray(started)

@@ -185,15 +185,18 @@ def shutdown_serve(timeout_s: float = 120.0) -> None:
     _wait_for_controller_exit(timeout_s)
 
 
-def stop_app_before_local_shutdown() -> None:
-    """For a local Ray about to be shut down: delete raylane's app (its replicas drain and stop
-    gracefully) and leave Serve's controller to end with Ray. `serve.shutdown()` here would have
-    the controller kill itself during its own graceful-shutdown call, which Ray then reports as
-    a failed task on the console."""
+def stop_serve(local_ray: bool) -> None:
+    """Stop serving before the caller disconnects. On a Ray this process started (`local_ray`)
+    only raylane's app is deleted (its replicas drain and stop gracefully) and Serve's
+    controller ends with Ray: `serve.shutdown()` there has the controller kill itself during its
+    own graceful-shutdown call, which Ray reports on the console as a failed task. On a cluster,
+    Serve is shut down (`shutdown_serve`)."""
     import ray
     from ray import serve
 
-    if ray.is_initialized() and APP_NAME in running_app_names():
+    if not local_ray:
+        shutdown_serve()
+    elif ray.is_initialized() and APP_NAME in running_app_names():
         logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the caller says what stopped
         serve.delete(APP_NAME)
 

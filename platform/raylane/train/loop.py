@@ -95,7 +95,7 @@ def _my_batches(strategy, shard, cfg: RaylaneConfig, shuffle_seed: int | None) -
         yield inputs[first : first + rows], targets[first : first + rows]
 
 
-def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank, marks=None):
+def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank, marks):
     """One epoch: mean loss, rows seen by the group, this worker's epoch time, and the
     group's step-time split (`raylane.train.step_times`)."""
     model.train()
@@ -112,12 +112,10 @@ def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank, marks=None
     if own_meter:
         activations = ActivationMeter()
     activations.reset()
-    if marks is not None:
-        marks.mark("data_start")
+    marks.mark("data_start")
     start = step_start = time.perf_counter()
     for step, (inputs, targets) in enumerate(batches):
-        if marks is not None:
-            marks.mark("first_batch")
+        marks.mark("first_batch")
         if cfg.training.steps_per_epoch is not None and step >= cfg.training.steps_per_epoch:
             break
         data_wait = time.perf_counter() - step_start
@@ -135,8 +133,7 @@ def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank, marks=None
         if straggler.waited_s:
             parts["straggler"] = straggler.waited_s
         times.add(now - step_start, data_wait, parts)
-        if marks is not None:
-            marks.mark("first_step")
+        marks.mark("first_step")
         step_start = now
     elapsed = time.perf_counter() - start
     steps_done = getattr(strategy, "steps_done", None)  # before the collective below
@@ -290,9 +287,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 print(f"raylane: worker logs not kept: {exc}", file=sys.stderr)
 
 
-def _train_epochs(
-    strategy, model, optimizer, cfg, start_epoch, rank, epoch_logger, marks=None
-) -> None:
+def _train_epochs(strategy, model, optimizer, cfg, start_epoch, rank, epoch_logger, marks):
     """From `start_epoch` on: train, evaluate, log (rank 0), checkpoint and report each epoch."""
     train_shard = ray.train.get_dataset_shard("train")
     validation_shard = ray.train.get_dataset_shard("validation")
@@ -343,7 +338,7 @@ def _train_epochs(
                     strategy.checkpoint_part,
                 )
             ray.train.report(
-                {**metrics, **(marks.report_metrics() if marks is not None else {})},
+                {**metrics, **marks.report_metrics()},
                 checkpoint=ray.train.Checkpoint.from_directory(directory) if reports else None,
                 checkpoint_dir_name=f"epoch_{epoch:04d}",
             )
