@@ -52,11 +52,10 @@ def _split_adds_up(client, run_id: str) -> None:
         assert error < 0.2, (epoch, parts, error)
 
 
-@pytest.mark.parametrize("strategy", ["ssp", "async"])
-def test_parameter_server_training_learns_and_records_staleness(ray_cluster, workspace, strategy):
-    _, outcome, client = _run(
-        workspace, f"parallelism.strategy={strategy}", "parallelism.staleness=1", *STRAGGLERS
-    )
+def test_async_parameter_server_learns_and_records_staleness(ray_cluster, workspace):
+    # ssp (bounded staleness) with stragglers is the README's consistency block: its bound is
+    # checked in test_readme_run.py.
+    _, outcome, client = _run(workspace, "parallelism.strategy=async", *STRAGGLERS)
     assert outcome.metrics["val_accuracy"] >= 0.8  # chance is 0.1
     run = outcome.run_id
     histogram = json.loads(
@@ -64,9 +63,6 @@ def test_parameter_server_training_learns_and_records_staleness(ray_cluster, wor
     )
     staleness = {int(k): v for k, v in histogram.items()}
     assert sum(staleness.values()) > 0 and max(staleness) >= 1  # some updates were stale
-    if strategy == "ssp":
-        # Two workers, at most 1 step apart: a worker's read is at most 2 * 1 + 1 updates old.
-        assert max(staleness) <= 3, staleness
     assert _last(client, run, "staleness_max") == max(staleness)
     assert _last(client, run, "step_straggler_ms") > 0
     # Gradients pushed (fp32) are what a DDP all-reduce would send.

@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from raylane.config import load_config
 from raylane.config.layout import replicas
 from raylane.models import build_model
+from raylane.train.trainer import prompt_health_checks
 
 from .conftest import ROOT
 
@@ -157,6 +158,7 @@ def layout_records(ray_cluster, tmp_path_factory):
                 if other_cfg.parallelism.workers == world:
                     batches = _global_batches(other_cfg, replicas(other_cfg))
                     layouts[other] = (other_cfg.model_dump(mode="json"), batches)
+            prompt_health_checks()  # as raylane's own runs check their workers
             trainer = TorchTrainer(
                 _layouts_worker,
                 train_loop_config={"layouts": layouts},

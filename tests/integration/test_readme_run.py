@@ -22,6 +22,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from raylane.config import load_config
+from raylane.serving.ingress import DRAIN_ENV, LOCAL_DRAIN_S
 from raylane.tracking.identity import code_digest
 from tests.readme_blocks import Block, read_blocks
 
@@ -71,6 +72,10 @@ def readme(tmp_path_factory):
     copy = fresh_copy(root / "raylane")
     env = clean_env(copy, root / "home")
     env["COLUMNS"] = "200"  # a wide terminal: tables keep paths on one line
+    # The blocks' own `ray start` clusters have no load balancer in front of HAProxy: their
+    # stopping replicas drain in 2 s, as on the session cluster and a Ray raylane starts itself
+    # (a user's own value wins, as here; Serve's default is 30 s per rolling update).
+    env[DRAIN_ENV] = LOCAL_DRAIN_S
     return copy, env, root
 
 
@@ -180,7 +185,7 @@ class TestOnARunningCluster:
         run = _ok(run_block(SHARDED, copy, env, timeout_s=900), SHARDED.where)
         client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
         for command, experiment, workers in zip(
-            run.commands, ("lm-tp", "lm-fsdp", "lm-fsdp", "lm-3d"), (2, 2, 4, 8), strict=True
+            run.commands, ("lm-tp", "lm-fsdp"), (2, 2), strict=True
         ):
             run_id = re.search(r"MLflow run ([0-9a-f]{32})", command.output).group(1)
             found = client.get_run(run_id)
@@ -346,28 +351,22 @@ def test_job_submit_block(readme):
     client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
     experiment = client.get_experiment_by_name("digits-ddp").experiment_id
     before = {r.info.run_id for r in client.search_runs([experiment])}
-    lm_experiment = client.get_experiment_by_name("lm-fsdp").experiment_id  # the block above
-    lm_before = {r.info.run_id for r in client.search_runs([lm_experiment])}
     try:
         run = run_block(JOBS, copy, env, timeout_s=900)
     finally:
         _ray_stop(copy, env)
     _ok(run, JOBS.where)
     submits = [c for c in run.commands if c.text.startswith("ray job submit")]
-    assert len(submits) == 4
+    assert len(submits) == 2
     assert all("succeeded" in c.output for c in submits), [c.output[-2000:] for c in submits]
-    # The jobs' runs landed in the store the README points them at ($PWD/mlflow.db), with the
-    # commit they were submitted from and the code their workers ran: the uploaded copy.
-    runs = [r for r in client.search_runs([experiment]) if r.info.run_id not in before]
-    by_strategy = {r.data.params["parallelism.strategy"]: r for r in runs}
-    assert sorted(by_strategy) == ["ddp", "ssp"], by_strategy
-    ssp = by_strategy["ssp"]
-    assert ssp.info.status == "FINISHED" and ssp.data.metrics["staleness_max"] <= 2 * 2 + 1
-    (lm,) = [r for r in client.search_runs([lm_experiment]) if r.info.run_id not in lm_before]
-    assert lm.info.status == "FINISHED" and lm.data.params["parallelism.strategy"] == "fsdp"
-    new = by_strategy["ddp"]
+    # The job's run landed in the store the README points it at ($PWD/mlflow.db), with the
+    # commit it was submitted from and the code its workers ran: the uploaded copy.
+    (new,) = [r for r in client.search_runs([experiment]) if r.info.run_id not in before]
+    assert new.data.params["parallelism.strategy"] == "ddp"
     assert new.info.status == "FINISHED" and new.data.metrics["val_accuracy"] > 0.5
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=copy, capture_output=True, text=True)
     assert new.data.tags["mlflow.source.git.commit"] == head.stdout.strip() != ""
     assert new.data.tags["raylane.code_digest"] == code_digest(copy / "platform" / "raylane")
     assert "working_dir_files" in new.data.tags["raylane.code_path"], new.data.tags
+    # The deploy job served the champion from the same store.
+    assert re.search(r"serving raylane-digits v\d+", submits[1].output), submits[1].output[-2000:]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,6 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from raylane.config import load_config
-from raylane.train.job import run_training
 
 from .conftest import REFERENCE
 
@@ -110,34 +110,33 @@ def test_champion_alias_resolves_to_a_model_that_predicts(trained, client, works
     assert (predicted == labels).mean() >= 0.9
 
 
-def test_worse_model_does_not_take_alias(trained, client, workspace):
+def test_worse_model_does_not_take_alias_and_verbose_shows_ray_logs(
+    ray_cluster, trained, client, workspace
+):
     # That seeded runs repeat exactly is shown by test_recovery.py (interrupted runs end with
     # the reference run's weights digest) and by the README's `raylane reproduce`.
+    # The quiet default console (epoch lines only, at most ~30) is checked on the README's own
+    # `raylane train` command in test_readme_run.py; this run asks for Ray's logs.
     cfg, champion_outcome = trained
-    weak = load_config(REFERENCE, workspace.overrides("training.epochs=1", "training.lr=0.0001"))
-    first = run_training(weak)
-    assert first.metrics["val_accuracy"] < champion_outcome.metrics["val_accuracy"]
-    assert not first.promoted and first.model_version != champion_outcome.model_version
-    champion = client.get_model_version_by_alias(cfg.tracking.registered_model, "champion")
-    assert int(champion.version) == champion_outcome.model_version
-
-
-def _train_cli(ray_cluster, workspace, *args: str) -> subprocess.CompletedProcess:
     env = {**ray_cluster.client_env, "RAY_ADDRESS": ray_cluster.address, "COLUMNS": "200"}
-    return subprocess.run(
+    weak = workspace.overrides("training.epochs=1", "training.lr=0.0001")
+    done = subprocess.run(
         [sys.executable, "-m", "raylane.cli", "train", "--config", str(REFERENCE),
-         *[a for o in workspace.overrides("training.epochs=2") for a in ("--set", o)], *args],
+         *[a for o in weak for a in ("--set", o)], "--verbose"],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
-
-
-def test_verbose_brings_ray_logs_to_the_console(ray_cluster, workspace):
-    # The quiet default (epoch lines only, at most ~30) is checked on the README's own
-    # `raylane train` command in test_readme_run.py.
-    verbose = _train_cli(ray_cluster, workspace, "--verbose")
-    assert verbose.returncode == 0, verbose.stderr[-3000:]
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-3000:]
     ray_markers = ("TrainController", "RayTrainWorker", "SplitCoordinator", "TrainingReport")
-    assert any(m in verbose.stdout + verbose.stderr for m in ray_markers)
+    assert any(m in output for m in ray_markers), output[-3000:]
+
+    run_id = re.search(r"MLflow run ([0-9a-f]{32})", output).group(1)
+    first = client.get_run(run_id)
+    assert first.data.metrics["val_accuracy"] < champion_outcome.metrics["val_accuracy"]
+    (version,) = client.search_model_versions(f"run_id = '{run_id}'")
+    assert int(version.version) != champion_outcome.model_version  # registered, not promoted
+    champion = client.get_model_version_by_alias(cfg.tracking.registered_model, "champion")
+    assert int(champion.version) == champion_outcome.model_version
 
 
 def test_worker_output_and_node_system_metrics_are_kept_with_the_run(trained, client):

@@ -59,7 +59,9 @@ def measure(cfg: RaylaneConfig, levels: list[int]) -> dict[str, Any]:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from raylane.plan.profile import profile_worker
+    from raylane.train.trainer import prompt_health_checks
 
+    prompt_health_checks()
     par = cfg.parallelism
     trainer = TorchTrainer(
         profile_worker,
