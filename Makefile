@@ -38,6 +38,7 @@ bench: install
 	$(BIN)/python benchmarks/pipeline_bubble.py
 	$(BIN)/python benchmarks/tune_vs_grid.py
 	$(BIN)/python benchmarks/serve_load.py
+	$(BIN)/python benchmarks/generate_load.py
 
 clean:
 	rm -rf runs data mlruns mlartifacts mlflow.db .pytest_cache

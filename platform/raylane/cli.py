@@ -72,11 +72,13 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from raylane.data import DataError
     from raylane.inference import ModelNotFoundError
     from raylane.serving.guard import ApiKeyError
+    from raylane.serving.leftovers import LeftoverIngressError
     from raylane.tracking import TrackingError
     from raylane.train.job import CodeMismatchError
 
     return (
-        ConfigError, DataError, ModelNotFoundError, TrackingError, ApiKeyError, CodeMismatchError
+        ConfigError, DataError, ModelNotFoundError, TrackingError, ApiKeyError, CodeMismatchError,
+        LeftoverIngressError,
     )  # fmt: skip
 
 
@@ -219,7 +221,8 @@ def deploy(
     ] = False,
     verbose: VerboseOption = False,
 ) -> None:
-    """Serve a registered model over the Open Inference Protocol (blocks until Ctrl-C)."""
+    """Serve a registered model (blocks until Ctrl-C): Open Inference Protocol infer, or text
+    generation over an OpenAI-compatible API with `serving.api: generate`."""
     _setup_logging(verbose)
     cfg = _load(config, [*(overrides or []), *_version_override(version)])
     from raylane.runtime import connect_ray, disconnect_ray
@@ -227,12 +230,28 @@ def deploy(
 
     if detach and not _cluster_address():
         raise _fail("--detach needs a running cluster (set RAY_ADDRESS); a local Ray ends with us")
+    if not _cluster_address():
+        from raylane.serving.leftovers import clear_before_local_serve
+
+        try:
+            clear_before_local_serve(cfg.serving.port)
+        except _user_errors() as exc:
+            raise _fail(str(exc)) from None
     started = connect_ray(serve_ingress=cfg.serving.ingress)
     served = None
     try:
         url, served = deploy_app(cfg)
         console.print(f"serving {cfg.tracking.registered_model} v{served}", highlight=False)
-        console.print(f"endpoint: {url}/v2/models/{cfg.serving.model_name}/infer  docs: {url}/docs")
+        if cfg.serving.api == "generate":
+            console.print(
+                f"endpoint: {url}/v1 (OpenAI-compatible; model {cfg.serving.model_name!r})  "
+                f"docs: {url}/docs",
+                highlight=False,
+            )
+        else:
+            console.print(
+                f"endpoint: {url}/v2/models/{cfg.serving.model_name}/infer  docs: {url}/docs"
+            )
         if not detach:
             _block_until_interrupted()
     except _user_errors() as exc:
@@ -253,6 +272,61 @@ def deploy(
                 f"stopped: Serve app ({what}) {where}in {time.monotonic() - began:.1f} s",
                 highlight=False,
             )
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text to continue.")],
+    config: ConfigOption = Path("configs/train/lm_serve.yaml"),
+    overrides: SetOption = None,
+    version: VersionOption = None,
+    max_tokens: Annotated[int, typer.Option(help="Bytes to generate at most.")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.8,
+    top_k: Annotated[int, typer.Option(help="Sample among the k likeliest (0: all).")] = 0,
+    top_p: Annotated[float, typer.Option(help="Sample within this probability mass.")] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="Seed (repeatable output).")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop before this text.")] = None,
+) -> None:
+    """Generate text from a registered language model here, with its KV cache, printing it
+    as it comes (no cluster needed). Example: raylane generate --prompt 'def main('"""
+    _setup_logging()
+    cfg = _load(config, [*(overrides or []), *_version_override(version)])
+    from pydantic import ValidationError
+
+    from raylane.generation.engine import GenerationEngine
+    from raylane.generation.loader import load_language_model
+    from raylane.generation.sampling import SamplingParams
+    from raylane.serving.app import resolve_served_version
+    from raylane.serving.openai_protocol import TextStream, first_error
+    from raylane.tracking import resolve_tracking_uri
+
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            seed=seed, stop=stop or (),
+        )  # fmt: skip
+    except ValidationError as exc:
+        raise _fail(first_error(exc)) from None
+    try:
+        tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
+        served = resolve_served_version(cfg, tracking_uri)
+        model, card = load_language_model(tracking_uri, cfg.tracking.registered_model, served)
+        engine = GenerationEngine(model, max_num_seqs=1)
+        sequence = engine.add(list(prompt.encode()), params)
+    except (*_user_errors(), ValueError) as exc:
+        raise _fail(str(exc)) from None
+    console.print(f"{card.registered_model} v{card.version}, {card.parameters:,} parameters",
+                  highlight=False)  # fmt: skip
+    text = TextStream()
+    out = sys.stdout
+    out.write(prompt)
+    while not sequence.finished:
+        for event in engine.step():
+            out.write(text.feed(event.text, final=event.finished))
+            out.flush()
+    out.write("\n")
+    finish = f"finish: {sequence.finish_reason}, {len(sequence.output)} bytes"
+    console.print(finish, highlight=False)
 
 
 def _version_override(version: int | None) -> list[str]:

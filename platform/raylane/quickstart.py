@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from rich.console import Console
 from rich.table import Table
@@ -47,6 +49,10 @@ def run_quickstart(cfg: RaylaneConfig, rows: int, console: Console) -> None:
     console.rule("[1/4] prepare data")
     train_info, val_info = ensure_dataset(cfg)
     console.print(f"{train_info.rows} training and {val_info.rows} validation rows (Parquet)")
+    if not os.environ.get("RAY_ADDRESS"):
+        from raylane.serving.leftovers import clear_before_local_serve
+
+        clear_before_local_serve(cfg.serving.port)
     started = connect_ray(serve_ingress=cfg.serving.ingress)
     try:
         console.rule(f"[2/4] train ({cfg.parallelism.strategy}, {cfg.parallelism.workers} workers)")

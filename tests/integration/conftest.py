@@ -114,8 +114,12 @@ def ray_cluster():
             client_env=dict(os.environ),
         )
     finally:
+        from raylane.serving.leftovers import stop_leftover_ingress
+
         ray.shutdown()
         subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=120)
+        # `ray stop` leaves Serve's HAProxy running, orphaned: nothing may outlive the suite.
+        stop_leftover_ingress(None)
         os.environ["PATH"] = saved_path
         shutil.rmtree(TOKEN_DIR, ignore_errors=True)
 

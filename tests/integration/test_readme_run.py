@@ -53,11 +53,14 @@ TUNE = block("raylane tune")
 PLAN = block("raylane plan")
 MLFLOW_UI = block(".venv/bin/mlflow ui")
 REPRODUCE = block("raylane reproduce <run-id>")
-DEPLOY = block("raylane deploy --config")
+DEPLOY = block("raylane deploy --config configs/train/digits_ddp.yaml")
 CALLS = block("curl -s http://127.0.0.1:8000/v2/models/digits/infer")
 TRITON = block("import numpy as np, tritonclient")
 SERVE_RUN = block("serve run serving/config.yaml")
 ROLLING = block("raylane promote <old>")
+GENERATE = block("raylane train --config configs/train/lm_serve.yaml")
+GENERATE_DEPLOY = block("raylane deploy --config configs/train/lm_serve.yaml")
+OPENAI_CLIENT = block("from openai import OpenAI")
 JOBS = block("ray job submit")
 
 
@@ -96,7 +99,10 @@ def _port_closed(port: int) -> bool:
 
 
 def _ray_stop(copy, env) -> None:
+    from raylane.serving.leftovers import stop_leftover_ingress
+
     subprocess.run(["ray", "stop", "--force"], cwd=copy, env=env, capture_output=True, timeout=120)
+    stop_leftover_ingress(None)  # `ray stop` leaves Serve's HAProxy running, orphaned
 
 
 def test_command_line_block(readme):
@@ -272,6 +278,19 @@ class TestOnARunningCluster:
         # Code, data, versions, cluster, config, final metrics and weights all agree.
         assert f"runs {original} and {again} agree in" in compare, compare
 
+    def test_generation_train_block(self, on_cluster):
+        copy, env, _ = on_cluster
+        run = _ok(run_block(GENERATE, copy, env, timeout_s=1200), GENERATE.where)
+        train = run.command("raylane train").output
+        assert re.search(r"val_bits_per_byte \d\.\d{4}", train), train[-3000:]
+        run_id = re.search(r"MLflow run ([0-9a-f]{32})", train).group(1)
+        client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
+        bits = client.get_run(run_id).data.metrics["val_bits_per_byte"]
+        assert bits < 0.7 * 8, bits  # well below a uniform guess over 256 bytes (8 bits)
+        generated = run.command("raylane generate").output
+        assert "raylane-lm-serve v1" in generated and "finish: length, 128 bytes" in generated
+        assert "def main(" in generated, generated
+
 
 def test_plan_block(readme):
     copy, env, _ = readme
@@ -314,6 +333,34 @@ def test_deploy_calls_and_triton_blocks(readme):
     finally:
         code = server.interrupt()
     assert code != -signal.SIGKILL, server.output()[-3000:]  # Ctrl-C stopped it by itself
+    assert _port_closed(8000)
+
+
+def test_generation_deploy_and_openai_client_blocks(readme):
+    copy, env, root = readme
+    server = Background(GENERATE_DEPLOY, copy, env, root / "generate-deploy.log")
+    try:
+        server.wait_until_ready(f"{ENDPOINT}/v2/health/ready", timeout_s=300)
+        streamed = subprocess.run(
+            ["python", "-c", OPENAI_CLIENT.text], cwd=copy, env=env, capture_output=True,
+            text=True, timeout=120,
+        )  # fmt: skip
+        assert streamed.returncode == 0, streamed.stderr[-3000:]
+        # The same greedy request, not streamed, over the OIP generate extension.
+        body = {"text_input": "import os\n", "parameters": {"max_tokens": 64, "temperature": 0}}
+        whole = json.loads(
+            urllib.request.urlopen(
+                urllib.request.Request(
+                    f"{ENDPOINT}/v2/models/pylm/generate", json.dumps(body).encode(),
+                    {"content-type": "application/json"},
+                ),
+                timeout=60,
+            ).read()
+        )  # fmt: skip
+        assert streamed.stdout == whole["text_output"] + "\n" and len(whole["text_output"]) > 16
+    finally:
+        code = server.interrupt()
+    assert code != -signal.SIGKILL, server.output()[-3000:]
     assert _port_closed(8000)
 
 

@@ -330,7 +330,42 @@ class AutoscalingConfig(StrictModel):
         return self
 
 
+class GenerationConfig(StrictModel):
+    max_num_seqs: int = Field(
+        8,
+        ge=1,
+        description="Sequences a replica decodes together (its KV-cache slots); more requests "
+        "wait for a slot, up to max_ongoing_requests + max_queued_requests in all.",
+    )
+    default_max_tokens: int = Field(
+        16, ge=1, description="Tokens (bytes) generated when a request does not say."
+    )
+    speculate: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="Speculative decoding by prompt lookup: tokens each sequence proposes per "
+        "step from its own earlier text, checked in one forward (0: off). Greedy output is "
+        "unchanged; sampled output keeps its distribution.",
+    )
+
+
 class ServingConfig(StrictModel):
+    api: Literal["infer", "generate"] = Field(
+        "infer",
+        description="What the endpoint answers: 'infer' (Open Inference Protocol v2 infer on "
+        "the model's outputs, /v2/models/{model_name}/infer) or 'generate' (a gpt language "
+        "model's text: OpenAI-compatible /v1/completions, /v1/chat/completions, /v1/models, "
+        "and /v2/models/{model_name}/generate[_stream]).",
+    )
+    generation: GenerationConfig = Field(
+        default_factory=GenerationConfig, description="Text generation (api: generate)."
+    )
+    quantization: Literal["none", "int8"] = Field(
+        "none",
+        description="Weights of the served model's linear layers: 'none' (fp32) or 'int8' "
+        "(torchao weight-only int8, one scale per output channel; api: generate).",
+    )
     host: str = Field(
         "127.0.0.1",
         description="Address the HTTP proxy binds. Anything else is an explicit choice.",
@@ -414,6 +449,11 @@ class ServingConfig(StrictModel):
                 f"max_ongoing_requests ({self.max_ongoing_requests}) is smaller than "
                 f"max_batch_size ({self.max_batch_size}): batches could never fill"
             )
+        if self.quantization != "none" and self.api != "generate":
+            raise ValueError(
+                f"quantization '{self.quantization}' applies to api 'generate' (the infer API "
+                "serves the registered torch.export program as it is)"
+            )
         if self.max_queued_requests == 0:
             raise ValueError("max_queued_requests is 0: use -1 for no limit, or a positive bound")
         return self
@@ -452,6 +492,11 @@ class RaylaneConfig(StrictModel):
                     f"model.num_classes is {self.model.num_classes} but python-stdlib is "
                     "byte-level (256 tokens)"
                 )
+        if self.serving.api == "generate" and self.model.kind != "gpt":
+            raise ValueError(
+                f"serving.api 'generate' needs a gpt language model, not model.kind "
+                f"'{self.model.kind}'"
+            )
         if self.data.source == "sklearn-digits" and self.model.kind == "gpt":
             raise ValueError("model.kind 'gpt' needs token data (data.source 'python-stdlib')")
         if self.data.source == "sklearn-digits":

@@ -35,6 +35,18 @@ class CausalSelfAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(out.transpose(1, 2).reshape(batch, length, width))
 
+    def forward_cached(self, x, cache, layer: int, slots, positions) -> torch.Tensor:
+        """Attention of new tokens `x` `[n, new, d]` over their slots' cached prefixes plus
+        themselves; their keys and values are written to `cache` (`raylane.models.kv_cache`)."""
+        batch, length, _ = x.shape
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        width = q.shape[-1]
+        shape = (batch, length, width // self.head_dim, self.head_dim)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
+        keys, values, visible = cache.append(layer, slots, positions, k, v)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
+        return self.proj(out.transpose(1, 2).reshape(batch, length, width))
+
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # Models saved before the projections were separate hold one fused `qkv`.
         for kind in ("weight", "bias"):
@@ -59,6 +71,10 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+    def forward_cached(self, x, cache, layer: int, slots, positions) -> torch.Tensor:
+        x = x + self.attn.forward_cached(self.ln1(x), cache, layer, slots, positions)
         return x + self.mlp(self.ln2(x))
 
 
@@ -87,3 +103,22 @@ class GPT(nn.Module):
         if self.head is not None:
             x = self.head(self.norm(x))
         return x
+
+    def extend(self, tokens: torch.Tensor, cache, slots: torch.Tensor) -> torch.Tensor:
+        """Append `tokens` `[n, new]` to the sequences in cache `slots` `[n]` and return their
+        logits `[n, new, vocab]`, computing only the new positions (a KV cache).
+
+        A prefill is one slot and a whole prompt; a decode step is every running slot and one
+        token each. The logits equal `forward` on each whole sequence (to float rounding).
+
+        Raises:
+            ValueError: for a pipeline stage (no embedding or head), or past the context.
+        """
+        if self.tok_emb is None or self.head is None:
+            raise ValueError("extend needs the whole model (embedding to head), not one stage")
+        positions = cache.positions(slots, tokens.shape[1])
+        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        for layer, block in enumerate(self.blocks.values()):
+            x = block.forward_cached(x, cache, layer, slots, positions)
+        cache.advance(slots, tokens.shape[1])
+        return self.head(self.norm(x))

@@ -20,14 +20,30 @@ DEFAULT_CONFIG = "configs/train/digits_ddp.yaml"
 
 
 def build_app(cfg: RaylaneConfig, tracking_uri: str, version: int, api_key: str | None):
-    """The model deployment serving registry `version`, configured from `cfg.serving`.
+    """The model deployment serving registry `version`, configured from `cfg.serving`:
+    `InferenceServer` (OIP infer) or, with `serving.api: generate`, `GenerationServer`.
 
     `api_key` (`load_api_key_for`, read on the deploying side) reaches replicas only as its
     digest.
     """
     serving = cfg.serving
     scaling = serving.autoscaling
-    return InferenceServer.options(
+    threads = max(1, int(serving.replica_cpus))
+    common = (tracking_uri, cfg.tracking.registered_model, version, serving.model_name)
+    guard = (key_digest(api_key), serving.max_body_bytes, threads)
+    if serving.api == "generate":
+        from raylane.serving.generation_server import GenerationServer
+
+        deployment, target = GenerationServer, serving.generation.max_num_seqs
+        generation = serving.generation
+        args = (
+            *common, generation.max_num_seqs, generation.default_max_tokens,
+            generation.speculate, serving.quantization, *guard,
+        )  # fmt: skip
+    else:
+        deployment, target = InferenceServer, serving.max_batch_size
+        args = (*common, serving.max_batch_size, serving.batch_wait_timeout_s, *guard)
+    return deployment.options(
         ray_actor_options={
             "num_cpus": serving.replica_cpus,
             "resources": dict(serving.replica_resources),
@@ -45,21 +61,11 @@ def build_app(cfg: RaylaneConfig, tracking_uri: str, version: int, api_key: str 
             "min_replicas": scaling.min_replicas,
             "initial_replicas": max(1, scaling.min_replicas),
             "max_replicas": scaling.max_replicas,
-            "target_ongoing_requests": scaling.target_ongoing_requests or serving.max_batch_size,
+            "target_ongoing_requests": scaling.target_ongoing_requests or target,
             "upscale_delay_s": scaling.upscale_delay_s,
             "downscale_delay_s": scaling.downscale_delay_s,
         },
-    ).bind(
-        tracking_uri,
-        cfg.tracking.registered_model,
-        version,
-        serving.model_name,
-        serving.max_batch_size,
-        serving.batch_wait_timeout_s,
-        key_digest(api_key),
-        serving.max_body_bytes,
-        max(1, int(serving.replica_cpus)),
-    )
+    ).bind(*args)
 
 
 def load_api_key_for(cfg: RaylaneConfig) -> str | None:

@@ -49,3 +49,72 @@ class ReplicaMetrics:
         # Set again with every batch: a gauge set only once, at start-up, was not exported
         # under Serve's throughput-optimized mode.
         self.version.set(self._version)
+
+
+TTFT_MS_BUCKETS = [5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
+STEP_MS_BUCKETS = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500]
+
+
+class GenerationMetrics:
+    """Time to first token, time per decode step (each running sequence's inter-token
+    latency), tokens generated, and the scheduler's running / waiting sequences and cache
+    slots in use."""
+
+    def __init__(self, model_name: str, version: int):
+        from ray.serve.metrics import Counter
+
+        tags = {"model": model_name}
+
+        def tagged(metric):
+            metric.set_default_tags(dict(tags))
+            return metric
+
+        self.version = tagged(
+            Gauge("raylane_served_model_version", description="Registry version this replica "
+                  "serves.", tag_keys=("model",))
+        )  # fmt: skip
+        self._version = version
+        self.ttft_ms = tagged(
+            Histogram("raylane_time_to_first_token_ms", description="From request to its first "
+                      "generated token (milliseconds).", boundaries=TTFT_MS_BUCKETS,
+                      tag_keys=("model",))
+        )  # fmt: skip
+        self.step_ms = tagged(
+            Histogram("raylane_inter_token_latency_ms", description="One scheduler step: the "
+                      "time between a running sequence's tokens (milliseconds).",
+                      boundaries=STEP_MS_BUCKETS, tag_keys=("model",))
+        )  # fmt: skip
+        self.tokens = tagged(
+            Counter("raylane_generated_tokens_total", description="Tokens generated.",
+                    tag_keys=("model",))
+        )  # fmt: skip
+        self.running = tagged(
+            Gauge("raylane_running_sequences", description="Sequences decoding.",
+                  tag_keys=("model",))
+        )  # fmt: skip
+        self.waiting = tagged(
+            Gauge("raylane_waiting_sequences", description="Requests waiting for a cache slot.",
+                  tag_keys=("model",))
+        )  # fmt: skip
+        self.acceptance = tagged(
+            Gauge("raylane_speculative_acceptance_rate", description="Proposed tokens accepted "
+                  "(speculative decoding), since the replica started.", tag_keys=("model",))
+        )  # fmt: skip
+        self.slots = tagged(
+            Gauge("raylane_cache_slots_in_use", description="KV-cache slots held by sequences.",
+                  tag_keys=("model",))
+        )  # fmt: skip
+
+    def record_step(self, engine, tokens: int, seconds: float) -> None:
+        self.step_ms.observe(seconds * 1000.0)
+        if tokens:
+            self.tokens.inc(tokens)
+        self.running.set(len(engine.running))
+        self.waiting.set(len(engine.waiting))
+        self.slots.set(engine.cache.slots - len(engine.free))
+        if engine.acceptance_rate is not None:
+            self.acceptance.set(engine.acceptance_rate)
+        self.version.set(self._version)
+
+    def record_first_token(self, seconds: float) -> None:
+        self.ttft_ms.observe(seconds * 1000.0)

@@ -19,6 +19,7 @@ class DeploymentRow:
     status: str
     replicas: dict[str, int]
     versions: set[int] = field(default_factory=set)
+    settings: set[str] = field(default_factory=set)  # generation settings replicas report
 
 
 @dataclass
@@ -51,8 +52,10 @@ def collect_status(cfg: RaylaneConfig) -> StatusReport:
                 app_name, state_name(app.status), name, state_name(deployment.status), replicas
             )
             running = replicas.get("RUNNING", 0)
-            if app_name == APP_NAME and name == "model" and running:
-                row.versions = _sample_versions(name, app_name, running * SAMPLES_PER_REPLICA)
+            if app_name == APP_NAME and name in SERVED_DEPLOYMENTS and running:
+                samples = _sample(name, app_name, running * SAMPLES_PER_REPLICA)
+                row.versions = {stats["version"] for stats in samples}
+                row.settings = {stats["settings"] for stats in samples if "settings" in stats}
             rows.append(row)
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     found = champion_version(
@@ -65,11 +68,16 @@ def collect_status(cfg: RaylaneConfig) -> StatusReport:
     )
 
 
-def _sample_versions(deployment: str, app_name: str, calls: int) -> set[int]:
-    """Versions reported by `calls` statistics calls spread over the running replicas.
+SERVED_DEPLOYMENTS = ("model", "generator")  # InferenceServer, GenerationServer
+
+
+def _sample(deployment: str, app_name: str, calls: int) -> list[dict]:
+    """What `calls` statistics calls spread over the running replicas report.
 
     The calls are awaited in an event loop of their own: with Serve's throughput-optimized
-    mode (the fast ingress) a handle's router runs in the caller's loop.
+    mode (the fast ingress) a handle's router runs in the caller's loop. That loop lives on in
+    a thread of its own: Serve keeps the handle, and shutting Serve down later in this process
+    stops the handle's router on it.
     """
     import asyncio
 
@@ -81,7 +89,21 @@ def _sample_versions(deployment: str, app_name: str, calls: int) -> set[int]:
             asyncio.gather(*(handle.statistics.remote() for _ in range(calls))), timeout=30
         )
 
-    return {stats["version"] for stats in asyncio.run(sample())}
+    return asyncio.run_coroutine_threadsafe(sample(), _handle_loop()).result(timeout=40)
+
+
+_LOOP = None
+
+
+def _handle_loop():
+    global _LOOP
+    if _LOOP is None:
+        import asyncio
+        import threading
+
+        _LOOP = asyncio.new_event_loop()
+        threading.Thread(target=_LOOP.run_forever, name="serve-handles", daemon=True).start()
+    return _LOOP
 
 
 def state_name(state) -> str:
@@ -104,6 +126,8 @@ def render_status(report: StatusReport) -> Table:
     for row in report.rows:
         replicas = ", ".join(f"{count} {state.lower()}" for state, count in row.replicas.items())
         versions = ", ".join(f"v{v}" for v in sorted(row.versions)) or "-"
+        if row.settings:
+            versions += " (" + "; ".join(sorted(row.settings)) + ")"
         if report.alias_version and row.versions and report.alias_version not in row.versions:
             versions += " (alias moved: raylane deploy rolls onto it)"
         table.add_row(

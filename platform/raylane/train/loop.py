@@ -8,6 +8,7 @@ modelling (`[B, T, V]` vs `[B, T]`).
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import resource
@@ -309,6 +310,8 @@ def _train_epochs(strategy, model, optimizer, cfg, start_epoch, rank, epoch_logg
             **split,
             **stats,
         }
+        if cfg.model.kind == "gpt":  # tokens are bytes: the loss in bits is bits per byte
+            metrics["val_bits_per_byte"] = val_loss / math.log(2)
         if epoch_logger is not None:
             epoch_logger.log(metrics, step=epoch)
             split_history.append(metrics)

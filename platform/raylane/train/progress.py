@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 log = logging.getLogger("raylane")
 
-SHOWN = ("train_loss", "val_loss", "val_accuracy")
+SHOWN = ("train_loss", "val_loss", "val_bits_per_byte", "val_accuracy")
 
 
 def format_epoch(

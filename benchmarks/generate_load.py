@@ -1,0 +1,268 @@
+"""Text generation, side by side in one run on the same weights (one torch thread each):
+
+  (a) one stream, `--new-tokens` new tokens: every token from a forward over the whole
+      sequence so far (no cache) against raylane's KV-cache decoding; `kv_vs_nocache`;
+  (b) the same stream through `transformers`' `generate()` with its KV cache, on a GPT-2
+      built from the same dimensions with raylane's weights copied in: tokens must be
+      identical under greedy decoding; `raylane_vs_hf_generate` (raylane tokens/s over HF's);
+  (c) `--requests` requests arriving as a Poisson process (`--rate` per second) with output
+      lengths drawn from 8-256 tokens, on one engine with `--slots` cache slots: request-level
+      batching (a batch forms from what is waiting and runs until its longest member ends, as
+      `@serve.batch` batches whole requests) against continuous batching (requests join and
+      leave between decode steps); throughput and p50/p99 time to first token;
+      `continuous_vs_static`, `ttft_p99_ratio` (continuous over static);
+  (d) int8 weights (torchao weight-only, `serving.quantization: int8`) against fp32: weight
+      bytes, validation bits per byte (`--eval-windows` windows of the config's validation
+      split, prepared if missing) and single-stream tokens/s; `int8_bytes_ratio`,
+      `int8_bpb_delta` (relative), `int8_speed_ratio`;
+  (e) the stream of (a) with speculative decoding by prompt lookup (`--speculate` tokens
+      proposed per step from the sequence's own text, checked in one forward) against plain
+      KV-cache decoding: greedy tokens identical; `spec_speedup`, `spec_acceptance`.
+
+Weights: the config's registered model (its champion, or `--set serving.model_version=N`)
+when the MLflow store has one, else the config's architecture freshly initialised (timing
+does not depend on the weights; the script says which it used). Medians over `--repeat`.
+A draft model for speculative decoding is not built yet: its keys are absent from the JSON.
+
+    python benchmarks/generate_load.py [--config configs/train/lm_serve.yaml] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from raylane.config import load_config
+from raylane.generation.engine import GenerationEngine, generate_without_cache
+from raylane.generation.sampling import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = b"import os\nimport sys\n\n\ndef main(argv):\n    "
+
+
+def load_weights(cfg):
+    from raylane.generation.loader import load_language_model
+    from raylane.serving.app import resolve_served_version
+    from raylane.tracking import resolve_tracking_uri
+
+    try:
+        uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
+        version = resolve_served_version(cfg, uri)
+        model, card = load_language_model(uri, cfg.tracking.registered_model, version)
+        return model, f"{card.registered_model} v{card.version}"
+    except Exception as exc:  # noqa: BLE001 - no registered model: time fresh weights
+        from raylane.models import build_model
+
+        torch.manual_seed(0)
+        return build_model(cfg.model).eval(), f"fresh weights ({type(exc).__name__})"
+
+
+def single_stream(model, new_tokens: int) -> dict:
+    greedy = SamplingParams(max_tokens=new_tokens, temperature=0)
+    prompt = list(PROMPT)
+    started = time.perf_counter()
+    plain = generate_without_cache(model, prompt, greedy).output
+    nocache_s = time.perf_counter() - started
+    engine = GenerationEngine(model, max_num_seqs=1)
+    started = time.perf_counter()
+    cached = engine.generate(prompt, greedy).output
+    kv_s = time.perf_counter() - started
+    return {"nocache_s": nocache_s, "kv_s": kv_s, "same": plain == cached, "tokens": cached}
+
+
+def speculative_stream(model, new_tokens: int, speculate: int, expected: list[int]) -> dict:
+    greedy = SamplingParams(max_tokens=new_tokens, temperature=0)
+    engine = GenerationEngine(model, max_num_seqs=1, speculate=speculate)
+    started = time.perf_counter()
+    tokens = engine.generate(list(PROMPT), greedy).output
+    return {
+        "spec_s": time.perf_counter() - started,
+        "same": tokens == expected,
+        "acceptance": engine.acceptance_rate or 0.0,
+        "forwards": engine.forwards,
+    }
+
+
+def int8_comparison(cfg, model, new_tokens: int, windows: int) -> dict:
+    import copy
+
+    from raylane.data import ensure_dataset
+    from raylane.data.parquet import read_rows
+    from raylane.generation.quantize import bits_per_byte, quantize_int8, weight_bytes
+
+    ensure_dataset(cfg)
+    tokens, labels = (
+        torch.as_tensor(a).long() for a in read_rows(cfg.data.validation_path, cfg, limit=windows)
+    )
+    quantized = quantize_int8(copy.deepcopy(model))
+    greedy = SamplingParams(max_tokens=new_tokens, temperature=0)
+    timing = {}
+    for name, candidate in (("fp32", model), ("int8", quantized)):
+        engine = GenerationEngine(candidate, max_num_seqs=1)
+        engine.generate(list(PROMPT), greedy.model_copy(update={"max_tokens": 4}))  # warm-up
+        started = time.perf_counter()
+        engine.generate(list(PROMPT), greedy)
+        timing[name] = time.perf_counter() - started
+    fp32_bpb, int8_bpb = (
+        bits_per_byte(model, tokens, labels),
+        bits_per_byte(quantized, tokens, labels),
+    )
+    return {
+        "fp32_bytes": weight_bytes(model),
+        "int8_bytes": weight_bytes(quantized),
+        "fp32_bpb": fp32_bpb,
+        "int8_bpb": int8_bpb,
+        "fp32_s": timing["fp32"],
+        "int8_s": timing["int8"],
+    }
+
+
+def hf_stream(model, new_tokens: int, expected: list[int]) -> dict:
+    from raylane.generation.hf_peer import hf_greedy, to_hf_gpt2
+
+    peer = to_hf_gpt2(model)
+    hf_greedy(peer, list(PROMPT), 4)  # warm-up: first-call set-up is not decoding
+    started = time.perf_counter()
+    tokens = hf_greedy(peer, list(PROMPT), new_tokens)
+    return {"hf_s": time.perf_counter() - started, "same": tokens == expected}
+
+
+def arrivals(requests: int, rate: float, seed: int, longest: int) -> list[tuple[float, int]]:
+    """(arrival time s, output length) per request: Poisson arrivals, lengths 8-256 (at most
+    `longest`, what the context leaves after the prompt)."""
+    rng = random.Random(seed)
+    at, out = 0.0, []
+    for _ in range(requests):
+        at += rng.expovariate(rate)
+        out.append((at, rng.randint(8, min(256, longest))))
+    return out
+
+
+def serve_trace(model, trace, slots: int, continuous: bool) -> dict:
+    """Replay `trace` in real time on one engine. Continuous: waiting requests are admitted
+    at every step. Static (request-level): a batch forms only once the last one has ended."""
+    from collections import deque
+
+    engine = GenerationEngine(model, max_num_seqs=slots)
+    pending = deque(trace)
+    start = time.perf_counter()
+    ttft, sequences, submitted = [], [], {}
+    while pending or engine.busy:
+        now = time.perf_counter() - start
+        while pending and pending[0][0] <= now:
+            at, length = pending.popleft()
+            sequence = engine.add(list(PROMPT), SamplingParams(max_tokens=length, temperature=0))
+            sequences.append(sequence)
+            submitted[sequence.id] = at
+        if not engine.busy:
+            time.sleep(min(0.01, pending[0][0] - now))
+            continue
+        if continuous or not engine.running:
+            events = engine.step()
+        else:  # the running batch finishes before anyone joins it
+            held, engine.waiting = engine.waiting, deque()
+            events = engine.step()
+            engine.waiting = held
+        clock = time.perf_counter() - start
+        ttft += [clock - submitted[e.sequence.id] for e in events if len(e.sequence.output) == 1]
+    elapsed = time.perf_counter() - start
+    ttft.sort()
+    return {
+        "tokens_per_s": sum(len(s.output) for s in sequences) / elapsed,
+        "ttft_p50_s": ttft[len(ttft) // 2],
+        "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
+        "elapsed_s": elapsed,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", default=str(ROOT / "configs" / "train" / "lm_serve.yaml"))
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--rate", type=float, default=20.0)
+    parser.add_argument("--slots", type=int, default=8)
+    parser.add_argument("--speculate", type=int, default=4)
+    parser.add_argument("--eval-windows", type=int, default=256)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    cfg = load_config(args.config, args.overrides)
+    model, source = load_weights(cfg)
+    context = cfg.model.input_dim
+    new_tokens = min(args.new_tokens, context - len(PROMPT))
+    print(f"weights: {source}; context {context}, {new_tokens} new tokens", flush=True)
+
+    single, hf, spec = [], [], []
+    for index in range(args.repeat):
+        single.append(single_stream(model, new_tokens))
+        hf.append(hf_stream(model, new_tokens, single[-1]["tokens"]))
+        spec.append(speculative_stream(model, new_tokens, args.speculate, single[-1]["tokens"]))
+        print(
+            f"run {index + 1}: no cache {single[-1]['nocache_s']:.2f} s, KV cache "
+            f"{single[-1]['kv_s']:.2f} s, transformers generate {hf[-1]['hf_s']:.2f} s, "
+            f"prompt lookup {spec[-1]['spec_s']:.2f} s (accepted "
+            f"{spec[-1]['acceptance']:.0%}, {spec[-1]['forwards']} forwards)",
+            flush=True,
+        )
+    int8 = [int8_comparison(cfg, model, new_tokens, args.eval_windows) for _ in range(args.repeat)]
+    print(
+        "int8: {int8_bytes:,} bytes against {fp32_bytes:,}; {int8_bpb:.4f} bits/byte against "
+        "{fp32_bpb:.4f}; {int8_s:.2f} s against {fp32_s:.2f} s per stream".format(**int8[-1]),
+        flush=True,
+    )
+    sample_text = (PROMPT + bytes(single[0]["tokens"])).decode("utf-8", errors="replace")
+    print("greedy sample:\n" + sample_text, flush=True)
+    trace = arrivals(args.requests, args.rate, seed=0, longest=context - len(PROMPT))
+    batching = {"static": [], "continuous": []}
+    for _ in range(args.repeat):
+        for name in batching:
+            batching[name].append(serve_trace(model, trace, args.slots, name == "continuous"))
+        print(
+            "static {:.0f} tok/s (TTFT p99 {:.2f} s), continuous {:.0f} tok/s (TTFT p99 {:.2f} s)"
+            .format(*(batching[n][-1][k] for n in batching for k in ("tokens_per_s",
+                                                                      "ttft_p99_s"))),
+            flush=True,
+        )  # fmt: skip
+
+    def med(rows, key):
+        return statistics.median(r[key] for r in rows)
+
+    static, cont = batching["static"], batching["continuous"]
+    result = {
+        "weights": source,
+        "new_tokens": new_tokens,
+        "kv_vs_nocache": round(med(single, "nocache_s") / med(single, "kv_s"), 2),
+        "kv_tokens_per_s": round(new_tokens / med(single, "kv_s"), 1),
+        "hf_tokens_per_s": round(new_tokens / med(hf, "hf_s"), 1),
+        "raylane_vs_hf_generate": round(med(hf, "hf_s") / med(single, "kv_s"), 2),
+        "int8_bytes_ratio": round(med(int8, "int8_bytes") / med(int8, "fp32_bytes"), 3),
+        "int8_bpb_delta": round(
+            (med(int8, "int8_bpb") - med(int8, "fp32_bpb")) / med(int8, "fp32_bpb"), 4
+        ),
+        "int8_speed_ratio": round(med(int8, "fp32_s") / med(int8, "int8_s"), 2),
+        "fp32_bpb": round(med(int8, "fp32_bpb"), 4),
+        "spec_speedup": round(med(single, "kv_s") / med(spec, "spec_s"), 2),
+        "spec_acceptance": round(med(spec, "acceptance"), 3),
+        "spec_draft": "prompt lookup",
+        "greedy_identical": all(r["same"] for r in single + hf + spec),
+        "continuous_vs_static": round(med(cont, "tokens_per_s") / med(static, "tokens_per_s"), 2),
+        "ttft_p99_ratio": round(med(cont, "ttft_p99_s") / med(static, "ttft_p99_s"), 2),
+        "static": {k: round(med(static, k), 3) for k in static[0]},
+        "continuous": {k: round(med(cont, k), 3) for k in cont[0]},
+        "repeat": args.repeat,
+    }
+    print(json.dumps(result))
+    sys.exit(0 if result["greedy_identical"] else 1)
+
+
+if __name__ == "__main__":
+    main()

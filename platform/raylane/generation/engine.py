@@ -1,0 +1,267 @@
+"""Continuous (iteration-level) batching of generations over one model and one KV cache.
+
+Each `step()` is one scheduling iteration, as in Orca and vLLM: requests waiting for a cache
+slot are admitted while slots are free (their prompt is prefilled), then every running sequence
+decodes one token in a single batched forward. A sequence leaves as soon as it finishes (its
+slot is free for the next request at the next step), so short and long generations share the
+batch without the short ones waiting for the long ones. `abort` frees a slot at once (a client
+that went away).
+
+Tokens are bytes (the GPT's vocabulary is 256): the text a sequence releases is bytes, held
+back only while they might still be the start of a stop sequence.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import torch
+
+from raylane.generation.sampling import SamplingParams, sample, verify
+from raylane.models.kv_cache import KVCache
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request's prompt, output so far and place in the cache."""
+
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    output: list[int] = field(default_factory=list)
+    slot: int | None = None
+    finish_reason: str | None = None  # "stop", "length" or "abort" once finished
+    stopped_by: bytes = b""  # the stop sequence the output ends with
+    released: int = 0  # output bytes handed out so far
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def text(self) -> bytes:
+        """The output without a stop sequence that ended it."""
+        data = bytes(self.output)
+        return data[: len(data) - len(self.stopped_by)]
+
+    def release(self) -> bytes:
+        """Output bytes not handed out before and no longer possibly part of a stop sequence."""
+        data = self.text()
+        if not self.finished:
+            hold = max((_held_back(data, s.encode()) for s in self.params.stop), default=0)
+            data = data[: len(data) - hold]
+        new = data[self.released :]
+        self.released = len(data)
+        return new
+
+
+def _held_back(data: bytes, stop: bytes) -> int:
+    """Length of the longest end of `data` that a stop sequence starts with."""
+    for size in range(min(len(stop) - 1, len(data)), 0, -1):
+        if data.endswith(stop[:size]):
+            return size
+    return 0
+
+
+def _finish_if_done(sequence: Sequence) -> None:
+    """Mark `sequence` finished when its output ends with a stop sequence or is long enough."""
+    params = sequence.params
+    for stop in (s.encode() for s in params.stop):
+        if bytes(sequence.output[-len(stop) :]) == stop:
+            sequence.finish_reason, sequence.stopped_by = "stop", stop
+            return
+    if len(sequence.output) >= params.max_tokens:
+        sequence.finish_reason = "length"
+
+
+@dataclass(frozen=True)
+class Event:
+    """What one step did for one sequence: its new releasable bytes, and whether it ended."""
+
+    sequence: Sequence
+    text: bytes
+    finished: bool
+
+
+class GenerationEngine:
+    """A whole `raylane.models.gpt.GPT` in eval mode with `max_num_seqs` cache slots.
+
+    With `speculate=k`, each decode step is speculative (prompt lookup, no draft model): every
+    running sequence proposes the k tokens that followed the last occurrence of its latest
+    n-gram in its own prompt and output, the model checks them all in one forward, and the
+    longest accepted run plus one token of the model's own is kept (`verify`): greedy output
+    is the plain output, sampled output keeps its distribution.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_num_seqs: int, speculate: int = 0):
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, not {max_num_seqs}")
+        if speculate < 0:
+            raise ValueError(f"speculate must be 0 (off) or more, not {speculate}")
+        self.speculate = speculate
+        self.proposed = self.accepted = 0  # speculative tokens proposed and accepted
+        self.model = model.eval()
+        self.context = model.pos_emb.num_embeddings
+        self.cache = KVCache.for_model(model, max_num_seqs)
+        self.free = list(range(max_num_seqs - 1, -1, -1))
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}
+        self._ids = itertools.count()
+        self.forwards = 0  # batched forwards run (prefills + decode steps)
+        self.tokens_generated = 0
+        self.finished: Counter[str] = Counter()  # sequences ended, by finish reason
+
+    def add(self, prompt: list[int], params: SamplingParams) -> Sequence:
+        """Queue a request; it starts at the next step that has a free slot.
+
+        Raises:
+            ValueError: see `check`.
+        """
+        self.check(prompt, params)
+        sequence = Sequence(next(self._ids), list(prompt), params, params.generator())
+        self.waiting.append(sequence)
+        return sequence
+
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise ValueError naming why this request cannot run: an empty prompt, a byte out of
+        range, or a prompt plus `max_tokens` longer than the model's context."""
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < 256 for t in prompt):
+            raise ValueError("prompt tokens are bytes: 0-255")
+        if len(prompt) + params.max_tokens > self.context:
+            raise ValueError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"model's context of {self.context} tokens"
+            )
+
+    def abort(self, sequence: Sequence) -> None:
+        """Stop `sequence` now, freeing its slot (or its place in the queue)."""
+        if sequence.finished:
+            return
+        if sequence.slot is not None:
+            self._free(sequence)
+        elif sequence in self.waiting:
+            self.waiting.remove(sequence)
+        sequence.finish_reason = "abort"
+        self.finished["abort"] += 1
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Speculative tokens accepted over proposed (None before any was proposed)."""
+        return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @torch.no_grad()
+    def step(self) -> list[Event]:
+        """Admit waiting requests into free slots (prefill), then decode every running one."""
+        events = []
+        decoding = list(self.running.values())
+        if decoding and self.speculate:
+            events += self._speculative_step(decoding)
+        elif decoding:
+            slots = torch.tensor([s.slot for s in decoding])
+            last = torch.tensor([[s.output[-1]] for s in decoding])
+            logits = self.model.extend(last, self.cache, slots)[:, -1]
+            self.forwards += 1
+            events += [self._advance(s, row) for s, row in zip(decoding, logits, strict=True)]
+        while self.waiting and self.free:
+            sequence = self.waiting.popleft()
+            sequence.slot = self.free.pop()
+            self.cache.reset(sequence.slot)
+            self.running[sequence.id] = sequence
+            prompt = torch.tensor([sequence.prompt])
+            logits = self.model.extend(prompt, self.cache, torch.tensor([sequence.slot]))
+            self.forwards += 1
+            events.append(self._advance(sequence, logits[0, -1]))
+        return events
+
+    def _advance(self, sequence: Sequence, logits: torch.Tensor) -> Event:
+        sequence.output.append(sample(logits, sequence.params, sequence.generator))
+        self.tokens_generated += 1
+        _finish_if_done(sequence)
+        if sequence.finished:
+            self.finished[sequence.finish_reason] += 1
+            self._free(sequence)
+        return Event(sequence, sequence.release(), sequence.finished)
+
+    def _speculative_step(self, decoding: list[Sequence]) -> list[Event]:
+        slots = torch.tensor([s.slot for s in decoding])
+        starts = self.cache.lengths[slots].tolist()
+        k = min(self.speculate, self.cache.max_len - max(starts) - 1)  # room left in context
+        proposals = [propose_ngram(s.prompt + s.output, k) for s in decoding]
+        rows = [[s.output[-1], *p, *[s.output[-1]] * (k - len(p))]
+                for s, p in zip(decoding, proposals, strict=True)]  # fmt: skip
+        logits = self.model.extend(torch.tensor(rows), self.cache, slots)
+        self.forwards += 1
+        events = []
+        for row, sequence, proposal, start in zip(logits, decoding, proposals, starts, strict=True):
+            accepted = 0
+            for i in range(len(proposal) + 1):
+                if i < len(proposal):
+                    ok, token = verify(row[i], proposal[i], sequence.params, sequence.generator)
+                else:  # past the proposals: the model's own next token
+                    ok, token = False, sample(row[i], sequence.params, sequence.generator)
+                accepted += ok
+                sequence.output.append(token)
+                self.tokens_generated += 1
+                _finish_if_done(sequence)
+                if sequence.finished or not ok:
+                    break
+            self.proposed += len(proposal)
+            self.accepted += accepted
+            if sequence.finished:
+                self.finished[sequence.finish_reason] += 1
+                self._free(sequence)
+            else:  # keep the last token and the accepted proposals; drop the rest
+                self.cache.truncate(sequence.slot, start + 1 + accepted)
+            events.append(Event(sequence, sequence.release(), sequence.finished))
+        return events
+
+    def _free(self, sequence: Sequence) -> None:
+        self.running.pop(sequence.id, None)
+        self.cache.reset(sequence.slot)
+        self.free.append(sequence.slot)
+        sequence.slot = None
+
+    def generate(self, prompt: list[int], params: SamplingParams) -> Sequence:
+        """Run one request to its end (a convenience around `add` and `step`)."""
+        sequence = self.add(prompt, params)
+        while not sequence.finished:
+            self.step()
+        return sequence
+
+
+def propose_ngram(tokens: list[int], k: int, longest: int = 3) -> list[int]:
+    """Prompt lookup: the up to `k` tokens that followed the latest earlier occurrence of the
+    sequence's last n tokens (n from `longest` down to 1); none when nothing repeats."""
+    if k <= 0:
+        return []
+    for n in range(min(longest, len(tokens) - 1), 0, -1):
+        tail = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tail:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+@torch.no_grad()
+def generate_without_cache(model: torch.nn.Module, prompt: list[int], params: SamplingParams):
+    """The reference: every token from a forward over the whole sequence so far (no cache)."""
+    context = model.pos_emb.num_embeddings
+    if len(prompt) + params.max_tokens > context:
+        raise ValueError(f"prompt + max_tokens exceeds the model's context of {context}")
+    model.eval()
+    tokens, generator = list(prompt), params.generator()
+    reference = Sequence(-1, list(prompt), params, generator)
+    while not reference.finished:
+        logits = model(torch.tensor([tokens]))[0, -1]
+        reference.output.append(sample(logits, params, generator))
+        tokens.append(reference.output[-1])
+        _finish_if_done(reference)
+    return reference

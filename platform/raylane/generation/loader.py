@@ -1,0 +1,59 @@
+"""A registered language model as a plain `GPT` that can decode with a KV cache.
+
+The registry holds the model as a torch.export program (MLflow's pt2 format), which keeps the
+training's parameter names but not the module's methods. The run's resolved config rebuilds
+the `GPT`, and the program's weights are loaded into it by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class LanguageModelCard:
+    registered_model: str
+    version: int
+    run_id: str
+    context: int
+    parameters: int
+
+
+def load_language_model(tracking_uri: str, registered_model: str, version: int):
+    """`(GPT in eval mode, LanguageModelCard)` for registry `version`.
+
+    Raises:
+        ModelNotFoundError: no such version.
+        ValueError: the version is not a GPT (generation needs one).
+    """
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from raylane.config import load_config
+    from raylane.inference import resolve_version
+    from raylane.models import build_model
+    from raylane.tracking.runs import CONFIG_ARTIFACT
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    found = resolve_version(client, tracking_uri, registered_model, "", version)
+    cfg = load_config(Path(client.download_artifacts(found.run_id, CONFIG_ARTIFACT)))
+    if cfg.model.kind != "gpt":
+        raise ValueError(
+            f"{registered_model} v{found.version} is a {cfg.model.kind!r} model; "
+            "generation needs a 'gpt' language model"
+        )
+    mlflow.set_tracking_uri(tracking_uri)
+    exported = mlflow.pytorch.load_model(
+        f"models:/{registered_model}/{found.version}", map_location="cpu"
+    )
+    model = build_model(cfg.model)
+    model.load_state_dict(exported.state_dict())
+    card = LanguageModelCard(
+        registered_model,
+        int(found.version),
+        found.run_id,
+        cfg.model.input_dim,
+        sum(p.numel() for p in model.parameters()),
+    )
+    return model.eval(), card

@@ -1,0 +1,37 @@
+"""INT8 weights for serving a GPT (`serving.quantization: int8`), with torchao.
+
+Every linear layer (attention projections, MLP, head) keeps its weights as int8 with one
+scale per output channel (torchao's weight-only int8); activations stay fp32, as do the
+embeddings and layer norms, which are a small part of the bytes. The model stays a plain
+module: KV-cache decoding and continuous batching run on it unchanged.
+"""
+
+from __future__ import annotations
+
+import io
+
+import torch
+from torch import nn
+
+
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """`model` with int8 weight-only linear layers (in place; returned for chaining)."""
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    quantize_(model, Int8WeightOnlyConfig(), filter_fn=lambda m, _: isinstance(m, nn.Linear))
+    return model
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as saved (int8 data, scales and fp32 parts together)."""
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)
+    return buffer.tell()
+
+
+@torch.no_grad()
+def bits_per_byte(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) -> float:
+    """Mean next-byte cross-entropy in bits over windows `tokens` `[N, T]` / `labels` `[N, T]`."""
+    logits = model(tokens)
+    loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+    return float(loss) / float(torch.log(torch.tensor(2.0)))

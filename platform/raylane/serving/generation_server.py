@@ -1,0 +1,279 @@
+"""The Ray Serve deployment for language models: text generation over an OpenAI-compatible
+API (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, server-sent events when
+`stream: true`) and the Open Inference Protocol's generate extension
+(`/v2/models/{name}/generate`, `/generate_stream`).
+
+Each replica loads one registry version and decodes with a KV cache under continuous batching
+(`raylane.generation.engine`, `raylane.serving.generation_loop`): `serving.generation
+.max_num_seqs` sequences decode together; more wait for a slot, and past Serve's queue bound a
+request gets 503 with Retry-After. The API-key guard and body limit are the inference routes'.
+"""
+
+# No `from __future__ import annotations` here: FastAPI must see the route parameters' real
+# types (a string annotation of `Request` on a Serve ingress method becomes a query field).
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+import raylane
+from raylane.serving.errors import ProtocolError
+from raylane.serving.guard import GuardSettings, RequestGuard
+from raylane.serving.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    TextStream,
+    completion_body,
+    completion_id,
+    openai_error,
+    parse,
+    prompt_tokens,
+    sse,
+    usage,
+)
+
+api = FastAPI(
+    title="raylane generation",
+    version=raylane.__version__,
+    description="OpenAI-compatible completions and the OIP generate extension for raylane's "
+    "language models.",
+)
+GUARD = GuardSettings()
+api.add_middleware(RequestGuard, settings=GUARD)
+
+
+@api.exception_handler(ProtocolError)
+async def _protocol_error(request: Request, exc: ProtocolError) -> JSONResponse:
+    if request.url.path.startswith("/v1/"):
+        return JSONResponse(openai_error(str(exc), exc.status), status_code=exc.status)
+    return JSONResponse({"error": str(exc)}, status_code=exc.status)
+
+
+@serve.deployment(name="generator")
+@serve.ingress(api)
+class GenerationServer:
+    """Answers generation requests from one continuously batched engine per replica."""
+
+    def __init__(
+        self,
+        tracking_uri: str,
+        registered_model: str,
+        version: int,
+        model_name: str,
+        max_num_seqs: int,
+        default_max_tokens: int,
+        speculate: int = 0,
+        quantization: str = "none",
+        api_key_digest: str | None = None,
+        max_body_bytes: int = 4 * 1024 * 1024,
+        torch_threads: int = 1,
+    ):
+        import torch
+
+        from raylane.generation.engine import GenerationEngine
+        from raylane.generation.loader import load_language_model
+        from raylane.serving.generation_loop import GenerationLoop
+        from raylane.serving.metrics import GenerationMetrics
+
+        torch.set_num_threads(torch_threads)
+        GUARD.key_digest = api_key_digest
+        GUARD.max_body_bytes = max_body_bytes
+        self.model_name = model_name
+        self.default_max_tokens = default_max_tokens
+        model, self.card = load_language_model(tracking_uri, registered_model, version)
+        self.quantization = quantization
+        if quantization == "int8":
+            from raylane.generation.quantize import quantize_int8
+
+            quantize_int8(model)
+        self.max_num_seqs = max_num_seqs
+        metrics = GenerationMetrics(model_name, self.card.version)
+        engine = GenerationEngine(model, max_num_seqs, speculate=speculate)
+        self.loop = GenerationLoop(engine, metrics)
+
+    # OpenAI-compatible routes.
+
+    @api.get("/v1/models")
+    async def models(self) -> dict:
+        return {"object": "list", "data": [self._model_entry()]}
+
+    @api.get("/v1/models/{name}")
+    async def model(self, name: str) -> dict:
+        self._check_name(name)
+        return self._model_entry()
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request) -> Response:
+        """Continue `prompt` (OpenAI's completions API)."""
+        body = parse(CompletionRequest, await request.body())
+        return await self._complete("text_completion", body)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request) -> Response:
+        """Answer `messages` (OpenAI's chat completions API)."""
+        body = parse(ChatCompletionRequest, await request.body())
+        return await self._complete("chat.completion", body)
+
+    # Open Inference Protocol generate extension.
+
+    @api.post("/v2/models/{name}/generate")
+    async def generate(self, name: str, request: Request) -> dict:
+        self._check_name(name)
+        body = parse(GenerateRequest, await request.body())
+        generation, decoder = self._start(body.text_input, body.sampling(self.default_max_tokens))
+        text = "".join([chunk async for chunk, _ in self._chunks(generation, decoder)])
+        return {
+            "model_name": name,
+            "model_version": str(self.card.version),
+            "text_output": text,
+            "finish_reason": generation.sequence.finish_reason,
+        }
+
+    @api.post("/v2/models/{name}/generate_stream")
+    async def generate_stream(self, name: str, request: Request) -> StreamingResponse:
+        self._check_name(name)
+        body = parse(GenerateRequest, await request.body())
+        generation, decoder = self._start(body.text_input, body.sampling(self.default_max_tokens))
+
+        async def events() -> AsyncIterator[bytes]:
+            async for chunk, finish in self._chunks(generation, decoder):
+                yield sse(
+                    {
+                        "model_name": name,
+                        "model_version": str(self.card.version),
+                        "text_output": chunk,
+                        "finish_reason": finish,
+                    }
+                )
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    # Health and metadata.
+
+    @api.get("/v2/health/live")
+    async def live(self) -> dict:
+        return {"live": True}
+
+    @api.get("/v2/health/ready")
+    async def ready(self) -> dict:
+        return {"ready": True}  # a replica exists once its constructor loaded the model
+
+    @api.get("/v2/models/{name}")
+    async def model_metadata(self, name: str) -> dict:
+        self._check_name(name)
+        card = self.card
+        return {
+            "name": name,
+            "versions": [str(card.version)],
+            "platform": "raylane_generation",
+            "registered_model": card.registered_model,
+            "run_id": card.run_id,
+            "context": card.context,
+            "parameters": card.parameters,
+            "max_num_seqs": self.max_num_seqs,
+            "inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1]}],
+            "outputs": [{"name": "text_output", "datatype": "BYTES", "shape": [-1]}],
+        }
+
+    @api.get("/v2/models/{name}/stats")
+    async def model_statistics(self, name: str) -> dict:
+        """The scheduler of the replica that answers: sequences running and waiting, free
+        cache slots, sequences ended by reason, tokens generated, batched forwards run."""
+        self._check_name(name)
+        engine = self.loop.engine
+        return {
+            "model_stats": [
+                {
+                    "name": name,
+                    "version": self.card.version,
+                    "running": len(engine.running),
+                    "waiting": len(engine.waiting),
+                    "free_slots": len(engine.free),
+                    "max_num_seqs": self.max_num_seqs,
+                    "finished": dict(engine.finished),
+                    "generated_tokens": engine.tokens_generated,
+                    "forwards": engine.forwards,
+                    "speculate": engine.speculate,
+                    "quantization": self.quantization,
+                    "acceptance_rate": engine.acceptance_rate,
+                }
+            ]
+        }
+
+    def statistics(self) -> dict:
+        """The version and generation settings this replica serves (`raylane status`)."""
+        settings = f"generate: {self.max_num_seqs} slots"
+        if self.loop.engine.speculate:
+            settings += f", prompt lookup {self.loop.engine.speculate}"
+        if self.quantization != "none":
+            settings += f", {self.quantization} weights"
+        return {"version": self.card.version, "settings": settings}
+
+    # The shared path.
+
+    def _check_name(self, name: str) -> None:
+        if name != self.model_name:
+            raise ProtocolError(
+                f"model {name!r} is not served here; available: {self.model_name!r}", 404
+            )
+
+    def _model_entry(self) -> dict:
+        return {
+            "id": self.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "raylane",
+            "root": f"{self.card.registered_model}/{self.card.version}",
+            "max_model_len": self.card.context,
+        }
+
+    def _start(self, text: str, params):
+        try:
+            generation = self.loop.start(prompt_tokens(text), params)
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
+        return generation, TextStream()
+
+    async def _chunks(self, generation, decoder) -> AsyncIterator[tuple[str, str | None]]:
+        """`(text, finish_reason)` per step that released text, then the final one."""
+        async for event in self.loop.events(generation):
+            text = decoder.feed(event.text, final=event.finished)
+            finish = event.sequence.finish_reason if event.finished else None
+            if text or finish:
+                yield text, finish
+
+    async def _complete(self, kind: str, body) -> Response:
+        self._check_name(body.model)
+        generation, decoder = self._start(body.text(), body.sampling(self.default_max_tokens))
+        request_id = completion_id("chatcmpl" if kind.startswith("chat") else "cmpl")
+        prompt_count = len(generation.prompt)
+        if not body.stream:
+            text = "".join([chunk async for chunk, _ in self._chunks(generation, decoder)])
+            finish = generation.sequence.finish_reason
+            use = usage(prompt_count, len(generation.sequence.output))
+            return JSONResponse(
+                completion_body(kind, request_id, self.model_name, text, finish, use)
+            )
+
+        async def events() -> AsyncIterator[bytes]:
+            chunk_kind = f"{kind}.chunk"
+            async for chunk, finish in self._chunks(generation, decoder):
+                yield sse(completion_body(chunk_kind, request_id, self.model_name, chunk, finish,
+                                          None))  # fmt: skip
+            if body.include_usage:
+                final = completion_body(
+                    chunk_kind,
+                    request_id,
+                    self.model_name,
+                    "",
+                    None,
+                    usage(prompt_count, len(generation.sequence.output)),
+                )
+                final["choices"] = []
+                yield sse(final)  # fmt: skip
+            yield sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
