@@ -220,3 +220,32 @@ def test_a_verified_proposal_leaves_the_sampling_distribution_unchanged():
     draws = torch.tensor([verify(logits, 2, params, generator)[1] for _ in range(20_000)])
     frequencies = torch.bincount(draws, minlength=3) / len(draws)
     assert torch.allclose(frequencies, probabilities(logits, params), atol=0.015), frequencies
+
+
+def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_goes_on(model):
+    import asyncio
+
+    from raylane.serving.generation_loop import GenerationLoop
+
+    class Broken(GenerationEngine):
+        fail = True
+
+        def step(self):
+            if self.fail:
+                self.fail = False
+                raise MemoryError("out of memory")
+            return super().step()
+
+    async def scenario():
+        loop = GenerationLoop(Broken(model, max_num_seqs=2))
+        greedy = SamplingParams(max_tokens=3, temperature=0)
+        doomed = loop.start(_prompt(1, 4), greedy)
+        with pytest.raises(RuntimeError, match="generation failed: out of memory"):
+            async for _ in loop.events(doomed):
+                pass
+        after = loop.start(_prompt(2, 4), greedy)
+        return [e async for e in loop.events(after)], loop.engine
+
+    events, engine = asyncio.run(scenario())
+    assert events[-1].finished and len(events[-1].sequence.output) == 3
+    assert sorted(engine.free) == [0, 1]

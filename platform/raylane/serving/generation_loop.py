@@ -60,6 +60,9 @@ class GenerationLoop:
         try:
             while not finished:
                 event = await generation.events.get()
+                if isinstance(event, Exception):  # the step failed: this request with it
+                    finished = True
+                    raise event
                 finished = event.finished
                 yield event
         finally:
@@ -79,7 +82,11 @@ class GenerationLoop:
             if not self.engine.busy:
                 continue
             started = time.perf_counter()
-            events = await asyncio.to_thread(self.engine.step)
+            try:
+                events = await asyncio.to_thread(self.engine.step)
+            except Exception as exc:  # noqa: BLE001 - fail the requests in flight, not the loop
+                self._fail_all(exc)
+                continue
             if self.metrics is not None:
                 self.metrics.record_step(self.engine, len(events), time.perf_counter() - started)
             for event in events:
@@ -91,6 +98,14 @@ class GenerationLoop:
                 generation.events.put_nowait(event)
                 if event.finished:
                     del self._by_id[event.sequence.id]
+
+    def _fail_all(self, exc: Exception) -> None:
+        """A step raised: every request in flight ends with `exc`; the loop goes on."""
+        error = RuntimeError(f"generation failed: {exc}")
+        for generation in list(self._by_id.values()):
+            self.engine.abort(generation.sequence)
+            generation.events.put_nowait(error)
+        self._by_id.clear()
 
     def _apply_requests(self) -> None:
         aborts, self._aborts = self._aborts, []
