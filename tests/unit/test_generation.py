@@ -184,7 +184,6 @@ def test_the_replica_loop_streams_requests_together_and_frees_a_slot_its_reader_
 
 
 def test_transformers_gpt2_with_the_same_weights_generates_the_same_tokens(model):
-    pytest.importorskip("transformers")
     from raylane.generation.hf_peer import hf_greedy, to_hf_gpt2
 
     peer = to_hf_gpt2(model)

@@ -59,9 +59,9 @@ def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     if params.top_p < 1.0:
         ordered, order = torch.sort(scaled, descending=True)
-        mass = torch.softmax(ordered, dim=-1).cumsum(dim=-1)
+        each = torch.softmax(ordered, dim=-1)
         # Keep a token while the mass before it is under top_p: the likeliest always stays.
-        drop = (mass - torch.softmax(ordered, dim=-1)) >= params.top_p
+        drop = (each.cumsum(dim=-1) - each) >= params.top_p
         scaled = scaled.scatter(0, order[drop], float("-inf"))
     return torch.softmax(scaled, dim=-1)
 

@@ -47,9 +47,6 @@ class KVCache:
     def slots(self) -> int:
         return len(self.lengths)
 
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
     def reset(self, slot: int) -> None:
         """Free `slot`: its old entries are masked out and overwritten by the next sequence."""
         self.lengths[slot] = 0

@@ -17,31 +17,34 @@ FORWARD_MS_BUCKETS = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
 ROW_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
 
 
+def _per_model(kind, name: str, description: str, model_name: str, **options):
+    """A Serve metric tagged with the model it describes."""
+    metric = kind(name, description=description, tag_keys=("model",), **options)
+    # Serve adds its own tags into the dict it is given: one dict per metric.
+    metric.set_default_tags({"model": model_name})
+    return metric
+
+
+def _version_gauge(model_name: str):
+    return _per_model(
+        Gauge, "raylane_served_model_version", "Registry version this replica serves.", model_name
+    )
+
+
 class ReplicaMetrics:
     def __init__(self, model_name: str, version: int):
-        # Serve adds its own tags into the dict it is given: one dict per metric.
-        self.version = Gauge(
-            "raylane_served_model_version",
-            description="Registry version this replica serves.",
-            tag_keys=("model",),
-        )
-        self.version.set_default_tags({"model": model_name})
+        self.version = _version_gauge(model_name)
         self._version = version
         self.version.set(version)
-        self.forward_ms = Histogram(
-            "raylane_forward_latency_ms",
-            description="Time of one batched model forward (milliseconds).",
+        self.forward_ms = _per_model(
+            Histogram, "raylane_forward_latency_ms",
+            "Time of one batched model forward (milliseconds).", model_name,
             boundaries=FORWARD_MS_BUCKETS,
-            tag_keys=("model",),
-        )
-        self.forward_ms.set_default_tags({"model": model_name})
-        self.rows = Histogram(
-            "raylane_batch_rows",
-            description="Rows (samples) carried by one batched forward.",
-            boundaries=ROW_BUCKETS,
-            tag_keys=("model",),
-        )
-        self.rows.set_default_tags({"model": model_name})
+        )  # fmt: skip
+        self.rows = _per_model(
+            Histogram, "raylane_batch_rows", "Rows (samples) carried by one batched forward.",
+            model_name, boundaries=ROW_BUCKETS,
+        )  # fmt: skip
 
     def record_forward(self, rows: int, seconds: float) -> None:
         self.forward_ms.observe(seconds * 1000.0)
@@ -63,47 +66,35 @@ class GenerationMetrics:
     def __init__(self, model_name: str, version: int):
         from ray.serve.metrics import Counter
 
-        tags = {"model": model_name}
-
-        def tagged(metric):
-            metric.set_default_tags(dict(tags))
-            return metric
-
-        self.version = tagged(
-            Gauge("raylane_served_model_version", description="Registry version this replica "
-                  "serves.", tag_keys=("model",))
-        )  # fmt: skip
+        self.version = _version_gauge(model_name)
         self._version = version
-        self.ttft_ms = tagged(
-            Histogram("raylane_time_to_first_token_ms", description="From request to its first "
-                      "generated token (milliseconds).", boundaries=TTFT_MS_BUCKETS,
-                      tag_keys=("model",))
+        self.ttft_ms = _per_model(
+            Histogram, "raylane_time_to_first_token_ms",
+            "From request to its first generated token (milliseconds).", model_name,
+            boundaries=TTFT_MS_BUCKETS,
         )  # fmt: skip
-        self.step_ms = tagged(
-            Histogram("raylane_inter_token_latency_ms", description="One scheduler step: the "
-                      "time between a running sequence's tokens (milliseconds).",
-                      boundaries=STEP_MS_BUCKETS, tag_keys=("model",))
+        self.step_ms = _per_model(
+            Histogram, "raylane_inter_token_latency_ms",
+            "One scheduler step: the time between a running sequence's tokens (milliseconds).",
+            model_name, boundaries=STEP_MS_BUCKETS,
         )  # fmt: skip
-        self.tokens = tagged(
-            Counter("raylane_generated_tokens_total", description="Tokens generated.",
-                    tag_keys=("model",))
+        self.running = _per_model(
+            Gauge, "raylane_running_sequences", "Sequences decoding.", model_name
+        )
+        self.waiting = _per_model(
+            Gauge, "raylane_waiting_sequences", "Requests waiting for a cache slot.", model_name
+        )
+        self.slots = _per_model(
+            Gauge, "raylane_cache_slots_in_use", "KV-cache slots held by sequences.", model_name
+        )
+        self.acceptance = _per_model(
+            Gauge, "raylane_speculative_acceptance_rate",
+            "Proposed tokens accepted (speculative decoding), since the replica started.",
+            model_name,
         )  # fmt: skip
-        self.running = tagged(
-            Gauge("raylane_running_sequences", description="Sequences decoding.",
-                  tag_keys=("model",))
-        )  # fmt: skip
-        self.waiting = tagged(
-            Gauge("raylane_waiting_sequences", description="Requests waiting for a cache slot.",
-                  tag_keys=("model",))
-        )  # fmt: skip
-        self.acceptance = tagged(
-            Gauge("raylane_speculative_acceptance_rate", description="Proposed tokens accepted "
-                  "(speculative decoding), since the replica started.", tag_keys=("model",))
-        )  # fmt: skip
-        self.slots = tagged(
-            Gauge("raylane_cache_slots_in_use", description="KV-cache slots held by sequences.",
-                  tag_keys=("model",))
-        )  # fmt: skip
+        self.tokens = _per_model(
+            Counter, "raylane_generated_tokens_total", "Tokens generated.", model_name
+        )
 
     def record_step(self, engine, tokens: int, seconds: float) -> None:
         self.step_ms.observe(seconds * 1000.0)
