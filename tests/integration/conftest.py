@@ -172,12 +172,18 @@ def workspace(tmp_path_factory) -> Workspace:
 
 @pytest.fixture(scope="session")
 def trained(ray_cluster, workspace):
-    """The reference DDP job (2 workers, Ray Data over Parquet), run once for the session."""
+    """The reference DDP job (2 workers, Ray Data over Parquet), run once for the session.
+
+    It reads through Ray Data (streaming splits); every other job of the suite uses the memory
+    feed, which `auto` picks for data this small."""
     from raylane.config import load_config
     from raylane.train.job import run_training
 
     cfg = load_config(
-        REFERENCE, workspace.overrides("training.epochs=8", "tracking.system_metrics_interval_s=1")
+        REFERENCE,
+        workspace.overrides(
+            "training.epochs=8", "tracking.system_metrics_interval_s=1", "data.feed=ray_data"
+        ),
     )
     return cfg, run_training(cfg)
 

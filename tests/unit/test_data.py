@@ -1,3 +1,4 @@
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -64,3 +65,52 @@ def test_bad_parquet_names_the_problem(tmp_path, columns, message):
         check_parquet(path, _cfg(tmp_path))
     assert message in str(info.value)
     assert str(path) in str(info.value)
+
+
+def _parts(parts, **kwargs):
+    from raylane.data.memory import memory_batches
+
+    features = np.arange(23, dtype=np.float32).reshape(23, 1)
+    labels = np.arange(23, dtype=np.int64)
+    return [
+        [y.tolist() for _, y in memory_batches(features, labels, part=p, parts=parts, **kwargs)]
+        for p in range(parts)
+    ]
+
+
+def test_memory_feed_parts_split_each_global_batch_in_one_seeded_order():
+    (alone,) = _parts(1, batch_size=8, shuffle_seed=7)
+    assert alone == _parts(1, batch_size=8, shuffle_seed=7)[0]  # the seed fixes the order
+    assert alone != _parts(1, batch_size=8, shuffle_seed=8)[0]
+    assert sorted(sum(alone, [])) == list(range(23))
+    # Three replicas of batch 3 see the 1-replica run's batches of 9 rows, each a disjoint third.
+    (wide,) = _parts(1, batch_size=9, shuffle_seed=7)
+    three = _parts(3, batch_size=3, shuffle_seed=7)
+    assert [len(batches) for batches in three] == [3, 3, 3]
+    for step, batch in enumerate(wide):
+        assert sum((replica[step] for replica in three), []) == batch
+    # The last global batch (5 rows) is split 1/2/2; with drop_last it is gone.
+    assert [len(replica[-1]) for replica in three] == [1, 2, 2]
+    assert [len(b) for b in _parts(3, batch_size=3, shuffle_seed=7, drop_last=True)] == [2] * 3
+
+
+def test_memory_feed_drops_a_last_batch_too_small_for_every_replica():
+    # 23 rows in global batches of 11 leaves 1 row: 2 replicas cannot both step on it.
+    halves = _parts(2, batch_size=11, shuffle_seed=None)
+    assert halves == [[list(range(0, 11))], [list(range(11, 22))]]
+    assert _parts(1, batch_size=10)[0][-1] == [20, 21, 22]
+    with pytest.raises(ValueError, match="part 2 of 2"):
+        from raylane.data.memory import memory_batches
+
+        next(memory_batches(np.zeros((2, 1)), np.zeros(2), batch_size=1, part=2, parts=2))
+
+
+def test_memory_feed_is_chosen_for_small_cached_splits(tmp_path):
+    from raylane.data.ray_datasets import uses_memory_feed
+
+    ensure_dataset(_cfg(tmp_path))
+    assert uses_memory_feed(_cfg(tmp_path))
+    assert not uses_memory_feed(_cfg(tmp_path, **{"data.cache": "false"}))
+    assert not uses_memory_feed(_cfg(tmp_path, **{"data.feed": "ray_data"}))
+    with pytest.raises(ValueError, match="data.feed 'memory' holds the splits"):
+        _cfg(tmp_path, **{"data.feed": "memory", "data.cache": "false"})

@@ -1,4 +1,4 @@
-"""Read the configured Parquet splits as Ray Datasets for Ray Train."""
+"""The configured Parquet splits as Ray Train reads them: object-store arrays or Ray Datasets."""
 
 from __future__ import annotations
 
@@ -6,13 +6,33 @@ from pathlib import Path
 
 from raylane.config import RaylaneConfig
 
+# Splits up to this size (on disk) are fed from memory under `data.feed: auto`.
+MEMORY_FEED_BYTES = 64 * 2**20
+# Parquet splits up to this size (on disk) are read by the driver itself when cached.
+IN_DRIVER_READ_BYTES = 256 * 2**20
+
+
+def uses_memory_feed(cfg: RaylaneConfig) -> bool:
+    """Whether the workers read both splits from object-store arrays (`raylane.data.memory`)."""
+    data = cfg.data
+    if data.feed != "auto":
+        return data.feed == "memory"
+    paths = (Path(data.train_path).resolve(), Path(data.validation_path).resolve())
+    return data.cache and sum(_size(p) for p in paths) <= MEMORY_FEED_BYTES
+
 
 def read_datasets(cfg: RaylaneConfig) -> dict:
-    """`{"train": Dataset, "validation": Dataset}` with only the two configured columns.
+    """`{"train": ..., "validation": ...}` with only the two configured columns.
 
-    With `data.cache`, both are materialised once in Ray's object store, so epochs after the
-    first do not re-read Parquet.
+    Each is a `MemorySplit` under the memory feed, else a Ray Dataset; with `data.cache`, the
+    Datasets are materialised once in Ray's object store, so epochs after the first do not
+    re-read Parquet.
     """
+    splits = (("train", cfg.data.train_path), ("validation", cfg.data.validation_path))
+    if uses_memory_feed(cfg):
+        from raylane.data.memory import put_split
+
+        return {name: put_split(name, Path(path).resolve(), cfg) for name, path in splits}
     import logging
 
     import ray.data
@@ -21,7 +41,7 @@ def read_datasets(cfg: RaylaneConfig) -> dict:
     logging.getLogger("ray.data").setLevel(logging.WARNING)
     columns = [cfg.data.features_column, cfg.data.label_column]
     datasets = {}
-    for name, path in (("train", cfg.data.train_path), ("validation", cfg.data.validation_path)):
+    for name, path in splits:
         path = Path(path).resolve()
         if cfg.data.cache and _size(path) <= IN_DRIVER_READ_BYTES:
             # Small enough to read here: one Arrow table put in the object store is already
@@ -34,10 +54,6 @@ def read_datasets(cfg: RaylaneConfig) -> dict:
         dataset = ray.data.read_parquet(str(path), columns=columns)
         datasets[name] = dataset.materialize() if cfg.data.cache else dataset
     return datasets
-
-
-# Parquet splits up to this size (on disk) are read by the driver itself when cached.
-IN_DRIVER_READ_BYTES = 256 * 2**20
 
 
 def _size(path: Path) -> int:

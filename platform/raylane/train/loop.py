@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.nn import functional as F
 
 from raylane.config import RaylaneConfig
+from raylane.data.memory import MemorySplit, memory_batches
 from raylane.models import build_model
 from raylane.parallel import get_strategy
 from raylane.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -80,19 +81,40 @@ def _my_batches(strategy, shard, cfg: RaylaneConfig, shuffle_seed: int | None) -
     """This worker's batches. Workers that read every row (pipeline stages, tensor-parallel
     and FSDP workers) read global batches of `data_world` x batch_size rows and take their
     replica's slice, so a layout with dp replicas trains on exactly the batches one worker
-    with dp times the batch size would."""
+    with dp times the batch size would.
+
+    `shard` is a Ray Data shard or a `MemorySplit`. Data-parallel workers of the memory feed
+    each take their part of global batches drawn in one order (the same seed everywhere);
+    Ray Data shards are disjoint already and each shuffles with its rank in the seed."""
     rows = cfg.training.batch_size
     first = strategy.data_rank * rows
-    for inputs, targets in iter_torch_batches(
-        shard,
-        batch_size=rows * strategy.data_world,
-        features_column=cfg.data.features_column,
-        label_column=cfg.data.label_column,
-        shuffle_seed=shuffle_seed,
-        # Every replica takes a full slice (and pipeline stages infer their buffers' shapes
-        # once): the last, partial global batch is dropped.
-        drop_last=not strategy.splits_dataset,
-    ):
+    # Every replica takes a full slice (and pipeline stages infer their buffers' shapes once):
+    # the last, partial global batch is dropped.
+    drop_last = not strategy.splits_dataset
+    if isinstance(shard, MemorySplit):
+        part, parts = (dist.get_rank(), dist.get_world_size())
+        if not strategy.splits_dataset:
+            part, parts = 0, 1
+        batches = memory_batches(
+            *shard.arrays(),
+            batch_size=rows * strategy.data_world,
+            part=part,
+            parts=parts,
+            shuffle_seed=shuffle_seed,
+            drop_last=drop_last,
+        )
+    else:
+        if shuffle_seed is not None and strategy.splits_dataset:
+            shuffle_seed += dist.get_rank()
+        batches = iter_torch_batches(
+            shard,
+            batch_size=rows * strategy.data_world,
+            features_column=cfg.data.features_column,
+            label_column=cfg.data.label_column,
+            shuffle_seed=shuffle_seed,
+            drop_last=drop_last,
+        )
+    for inputs, targets in batches:
         yield inputs[first : first + rows], targets[first : first + rows]
 
 
@@ -104,7 +126,7 @@ def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank, marks):
     times = StepTimes()
     straggler = Straggler(cfg.parallelism.straggler, rank)
     # Workers that read the same rows (pipeline stages) must shuffle them the same way.
-    seed = cfg.training.seed * 100_003 + epoch * 1_009 + (rank if strategy.splits_dataset else 0)
+    seed = cfg.training.seed * 100_003 + epoch * 1_009
     batches = _my_batches(strategy, shard, cfg, seed)
     # Activation bytes autograd holds: the strategy's own meter (pipeline stages), else one
     # around each step.
@@ -273,7 +295,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         interval_s = cfg.tracking.system_metrics_interval_s
         monitor = start_node_monitor(uri, run_id, interval_s, first_here)
     try:
-        _train_epochs(strategy, model, optimizer, cfg, start_epoch, rank, epoch_logger, marks)
+        _train_epochs(
+            strategy, model, optimizer, cfg, start_epoch, rank, epoch_logger, marks, loop_config
+        )
         if epoch_logger is not None:
             epoch_logger.close()  # metrics held back by a tracking outage
     finally:
@@ -288,10 +312,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
                 print(f"raylane: worker logs not kept: {exc}", file=sys.stderr)
 
 
-def _train_epochs(strategy, model, optimizer, cfg, start_epoch, rank, epoch_logger, marks):
+def _train_epochs(
+    strategy, model, optimizer, cfg, start_epoch, rank, epoch_logger, marks, loop_config
+):
     """From `start_epoch` on: train, evaluate, log (rank 0), checkpoint and report each epoch."""
-    train_shard = ray.train.get_dataset_shard("train")
-    validation_shard = ray.train.get_dataset_shard("validation")
+    memory = loop_config.get("memory_splits") or {}
+    train_shard = memory.get("train") or ray.train.get_dataset_shard("train")
+    validation_shard = memory.get("validation") or ray.train.get_dataset_shard("validation")
     split_history: list[dict[str, float]] = []
     for epoch in range(start_epoch, cfg.training.epochs):
         train_loss, rows, elapsed, split = _train_epoch(

@@ -21,7 +21,7 @@ PHASES = (
     "run_setup",  # MLflow run, run context and cluster snapshot, datasets, trainer
     "worker_group",  # fit() called -> rank 0's loop starts: controller, workers, process group
     "worker_setup",  # model, parallel wrap, restore, placement, rank 0's MLflow logger
-    "dataset",  # the first batch: Ray Data's pipeline start
+    "dataset",  # the first batch: Ray Data's pipeline start (near zero for the memory feed)
     "first_step",  # the first training step
     "training",  # every later step, evaluation and checkpoint, to the last report
     "fit_end",  # the last report -> fit() returns: the worker group's shutdown

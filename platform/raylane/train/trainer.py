@@ -30,23 +30,33 @@ def build_trainer(
 ):
     """A TorchTrainer for `cfg`: worker group, datasets, storage, failure and checkpoint policy.
 
+    `datasets` is what `raylane.data.ray_datasets.read_datasets` returns: Ray Datasets go to
+    Ray Train, object-store splits (`MemorySplit`) to the workers' loop config.
+
     `run_name` must be unique per run: Ray Train resumes a run whose name already exists.
     `callbacks` are Ray Train user callbacks (a Tune trial passes its report callback).
     """
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from raylane.data.memory import MemorySplit
     from raylane.parallel import splits_dataset
     from raylane.train.loop import train_loop_per_worker
 
     prompt_health_checks()
+    memory = {k: v for k, v in datasets.items() if isinstance(v, MemorySplit)}
+    datasets = {k: v for k, v in datasets.items() if k not in memory}
     par = cfg.parallelism
     resources = dict(par.resources_per_worker)
     if par.use_gpu:
         resources.setdefault("GPU", 1)
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"config": _worker_config(cfg), **loop_config},
+        train_loop_config={
+            "config": _worker_config(cfg),
+            "memory_splits": memory,
+            **loop_config,
+        },
         torch_config=TorchConfig(backend="nccl" if par.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
             num_workers=par.workers,
