@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -99,6 +100,21 @@ def check_resumable(directory: Path) -> None:
         raise DataError(f"{directory}: training.resume_from is not a raylane checkpoint")
 
 
+def _warm_model_logging() -> threading.Thread:
+    """Import what logging the model needs on a thread while the fit runs: torch.export traces
+    through torch._dynamo, whose first import costs about 2 s that the driver otherwise spends
+    after training, while it mostly waits on the workers."""
+
+    def _import() -> None:
+        import mlflow.pytorch  # noqa: F401
+        import torch._dynamo  # noqa: F401
+        import torch.export  # noqa: F401
+
+    thread = threading.Thread(target=_import, name="raylane-warm-export", daemon=True)
+    thread.start()
+    return thread
+
+
 def _final_model(cfg: RaylaneConfig, checkpoint):
     from raylane.models import build_model
     from raylane.train.checkpointing import load_model_state
@@ -184,8 +200,11 @@ def run_training(
         )
         fit_start = time.time()
         phases.add("run_setup", fit_start - setup_start)
+        warming = _warm_model_logging() if register else None
         with EpochProgress(tracking_uri, run.info.run_id, cfg.training.epochs):
             result = _fit(trainer)
+        if warming is not None:
+            warming.join()
         fit_end = time.time()
         if result.checkpoint is None:
             raise RuntimeError(f"run {run_name} ended without a checkpoint")
