@@ -27,6 +27,7 @@ test-unit: install
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	PYTHONPATH=platform $(BIN)/lint-imports
 
 format: install
 	$(BIN)/ruff format .

@@ -9,7 +9,7 @@ so a step is compute-bound), one torch thread per process:
   (d) plain torch DDP, two processes (torch.multiprocessing, gloo), each on its half of the
       in-memory tensors: the same model, batch size and threads without Ray.
 
-(b) and (c) also report their step-time split (raylane.train.step_times): data wait, compute
+(b) and (c) also report their step-time split (raylane.tracking.step_times): data wait, compute
 and exposed communication per step, which says where Ray's extra time over (d) goes.
 
 Start-up is excluded: each figure is the median of per-epoch samples/s after the first

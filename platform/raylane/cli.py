@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Annotated
 
@@ -82,6 +84,39 @@ def _user_errors() -> tuple[type[Exception], ...]:
     )  # fmt: skip
 
 
+@contextmanager
+def _user_mistakes(*more: type[Exception]) -> Iterator[None]:
+    """A user's mistake (bad config, data, store, model, key...) ends the command with one
+    `error:` line naming it, not a traceback."""
+    try:
+        yield
+    except (*_user_errors(), *more) as exc:
+        raise _fail(str(exc)) from None
+
+
+@contextmanager
+def _on_ray(
+    *more: type[Exception], phases=None, before_local_start: Callable[[], None] | None = None
+) -> Iterator[bool]:
+    """One command's time on Ray: connect to $RAY_ADDRESS or start a local Ray (yielding
+    whether it started one), report a user's mistake in one line, and stop a Ray it started
+    however the command ends. `phases` (a PhaseClock) times the connection and shutdown."""
+    from raylane.runtime import connect_ray, disconnect_ray
+
+    def timed(name: str):
+        return phases.phase(name) if phases is not None else nullcontext()
+
+    started = False
+    try:
+        with _user_mistakes(*more):
+            with timed("ray"):
+                started = connect_ray(before_local_start=before_local_start)
+            yield started
+    finally:
+        with timed("shutdown"):
+            disconnect_ray(started)
+
+
 @app.command("serve-env")
 def serve_env(
     ingress: Annotated[
@@ -151,23 +186,14 @@ def train(
     """Train with the config's parallelism strategy on Ray Train; track and register in MLflow."""
     _setup_logging(verbose)
     cfg = _recorded(resume) if resume else _load(config, overrides)
-    from raylane.runtime import connect_ray, disconnect_ray
     from raylane.train.job import check_run_inputs, record_phases, run_training
     from raylane.train.phases import PhaseClock
 
     phases = PhaseClock()
-    started = False
-    try:
-        with phases.phase("preflight"):
-            check_run_inputs(cfg)  # resume checkpoint and tracking store, before Ray starts
-        with phases.phase("ray"):
-            started = connect_ray()
+    with _user_mistakes(), phases.phase("preflight"):
+        check_run_inputs(cfg)  # resume checkpoint and tracking store, before Ray starts
+    with _on_ray(phases=phases):
         outcome = run_training(cfg, resume_run_id=resume, phases=phases)
-    except _user_errors() as exc:
-        raise _fail(str(exc)) from None
-    finally:
-        with phases.phase("shutdown"):
-            disconnect_ray(started)
     _print_outcome(cfg, outcome)
     record_phases(outcome, phases)
     console.print(phases.line(), highlight=False, soft_wrap=True)
@@ -225,53 +251,49 @@ def deploy(
     generation over an OpenAI-compatible API with `serving.api: generate`."""
     _setup_logging(verbose)
     cfg = _load(config, [*(overrides or []), *_version_override(version)])
-    from raylane.runtime import connect_ray, disconnect_ray
+    import time
+
     from raylane.serving.app import deploy as deploy_app
+    from raylane.serving.app import stop_serve
+    from raylane.serving.ingress import apply_ingress_env
 
     if detach and not _cluster_address():
         raise _fail("--detach needs a running cluster (set RAY_ADDRESS); a local Ray ends with us")
     if not _cluster_address():
         from raylane.serving.leftovers import clear_before_local_serve
 
-        try:
+        with _user_mistakes():
             clear_before_local_serve(cfg.serving.port)
-        except _user_errors() as exc:
-            raise _fail(str(exc)) from None
-    started = connect_ray(serve_ingress=cfg.serving.ingress)
     served = None
-    try:
-        url, served = deploy_app(cfg)
-        console.print(f"serving {cfg.tracking.registered_model} v{served}", highlight=False)
-        if cfg.serving.api == "generate":
-            console.print(
-                f"endpoint: {url}/v1 (OpenAI-compatible; model {cfg.serving.model_name!r})  "
-                f"docs: {url}/docs",
-                highlight=False,
-            )
-        else:
-            console.print(
-                f"endpoint: {url}/v2/models/{cfg.serving.model_name}/infer  docs: {url}/docs"
-            )
-        if not detach:
-            _block_until_interrupted()
-    except _user_errors() as exc:
-        raise _fail(str(exc)) from None
-    finally:
-        import time
+    with _on_ray(before_local_start=lambda: apply_ingress_env(cfg.serving.ingress)) as started:
+        try:
+            url, served = deploy_app(cfg)
+            console.print(f"serving {cfg.tracking.registered_model} v{served}", highlight=False)
+            _print_endpoint(cfg, url)
+            if not detach:
+                _block_until_interrupted()
+        finally:
+            began = time.monotonic()
+            if not detach:
+                stop_serve(local_ray=started)
+    if not detach and served is not None:
+        what = f"{cfg.tracking.registered_model} v{served}"
+        where = "and the local Ray " if started else ""
+        console.print(
+            f"stopped: Serve app ({what}) {where}in {time.monotonic() - began:.1f} s",
+            highlight=False,
+        )
 
-        from raylane.serving.app import stop_serve
 
-        began = time.monotonic()
-        if not detach:
-            stop_serve(local_ray=started)
-        disconnect_ray(started)
-        if not detach and served is not None:
-            what = f"{cfg.tracking.registered_model} v{served}"
-            where = "and the local Ray " if started else ""
-            console.print(
-                f"stopped: Serve app ({what}) {where}in {time.monotonic() - began:.1f} s",
-                highlight=False,
-            )
+def _print_endpoint(cfg: RaylaneConfig, url: str) -> None:
+    if cfg.serving.api == "generate":
+        console.print(
+            f"endpoint: {url}/v1 (OpenAI-compatible; model {cfg.serving.model_name!r})  "
+            f"docs: {url}/docs",
+            highlight=False,
+        )
+    else:
+        console.print(f"endpoint: {url}/v2/models/{cfg.serving.model_name}/infer  docs: {url}/docs")
 
 
 @app.command()
@@ -307,14 +329,12 @@ def generate(
         )  # fmt: skip
     except ValidationError as exc:
         raise _fail(first_error(exc)) from None
-    try:
+    with _user_mistakes(ValueError):
         tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
         served = resolve_served_version(cfg, tracking_uri)
         model, card = load_language_model(tracking_uri, cfg.tracking.registered_model, served)
         engine = GenerationEngine(model, max_num_seqs=1)
         sequence = engine.add(list(prompt.encode()), params)
-    except (*_user_errors(), ValueError) as exc:
-        raise _fail(str(exc)) from None
     console.print(f"{card.registered_model} v{card.version}, {card.parameters:,} parameters",
                   highlight=False)  # fmt: skip
     text = TextStream()
@@ -344,37 +364,26 @@ def promote(
     cfg = _load(config, overrides)
     from mlflow.tracking import MlflowClient
 
-    from raylane.inference import resolve_version
     from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
+    from raylane.tracking.registry import point_alias
 
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     name, alias = cfg.tracking.registered_model, cfg.tracking.champion_alias
-    try:
+    with _user_mistakes():
         check_tracking_reachable(tracking_uri)
-        client = MlflowClient(tracking_uri=tracking_uri)
-        resolve_version(client, tracking_uri, name, alias, version)
-        client.set_registered_model_alias(name, alias, str(version))
-    except _user_errors() as exc:
-        raise _fail(str(exc)) from None
+        point_alias(MlflowClient(tracking_uri=tracking_uri), tracking_uri, name, alias, version)
     console.print(f"{name}@{alias} -> v{version}", highlight=False)
     if not _cluster_address():
         console.print("no RAY_ADDRESS: no running app to roll (the next deploy serves it)")
         return
-    from raylane.runtime import connect_ray, disconnect_ray
-    from raylane.serving.app import APP_NAME, running_app_names
-    from raylane.serving.app import deploy as deploy_app
+    from raylane.serving.app import APP_NAME, roll_running_app
 
-    started = connect_ray()
-    try:
-        if APP_NAME not in running_app_names():
-            console.print(f"no {APP_NAME!r} Serve app on the cluster: nothing to roll")
-            return
-        url, served = deploy_app(cfg)
-        console.print(f"{url} now serves v{served}", highlight=False)
-    except _user_errors() as exc:
-        raise _fail(str(exc)) from None
-    finally:
-        disconnect_ray(started)
+    with _on_ray():
+        rolled = roll_running_app(cfg)
+    if rolled is None:
+        console.print(f"no {APP_NAME!r} Serve app on the cluster: nothing to roll")
+    else:
+        console.print(f"{rolled[0]} now serves v{rolled[1]}", highlight=False)
 
 
 @app.command()
@@ -384,16 +393,10 @@ def status(config: ConfigOption = DEFAULT_CONFIG, overrides: SetOption = None) -
     cfg = _load(config, overrides)
     if not _cluster_address():
         raise _fail("status needs a running cluster: set RAY_ADDRESS (e.g. 127.0.0.1:6379)")
-    from raylane.runtime import connect_ray, disconnect_ray
     from raylane.serving.status import collect_status, render_status
 
-    started = connect_ray()
-    try:
+    with _on_ray():
         report = collect_status(cfg)
-    except _user_errors() as exc:
-        raise _fail(str(exc)) from None
-    finally:
-        disconnect_ray(started)
     Console().print(render_status(report))
 
 
@@ -427,22 +430,13 @@ def tune(
     Example: raylane tune --config configs/tune/parallelism.yaml --set trial.epochs=3
     """
     _setup_logging(verbose)
-    from raylane.runtime import connect_ray, disconnect_ray
     from raylane.tune.planner import plan
     from raylane.tune.spec import load_spec
 
-    try:
+    with _user_mistakes():
         spec = load_spec(config, overrides or [])
-    except ConfigError as exc:
-        raise _fail(str(exc)) from None
-    started = False
-    try:
-        started = connect_ray()
+    with _on_ray():
         result = plan(spec, console)
-    except _user_errors() as exc:
-        raise _fail(str(exc)) from None
-    finally:
-        disconnect_ray(started)
     if result.best_config is None:
         raise typer.Exit(1)
 
@@ -529,22 +523,16 @@ def profile_cluster(
     """
     _setup_logging(verbose)
     from raylane.plan.profile_job import load_or_measure
-    from raylane.runtime import connect_ray, disconnect_ray
     from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
 
     cfg = _load(config, overrides)
     if cfg.model.kind != "gpt":
         raise _fail(f"model.kind must be 'gpt' to profile its blocks, not '{cfg.model.kind}'")
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
-    started = False
-    try:
+    with _user_mistakes():
         check_tracking_reachable(tracking_uri)
-        started = connect_ray()
+    with _on_ray():
         found, run_id, reused = load_or_measure(cfg, tracking_uri, refresh)
-    except _user_errors() as exc:
-        raise _fail(str(exc)) from None
-    finally:
-        disconnect_ray(started)
     from raylane.plan.report import render_profile
 
     out = Console()
@@ -601,7 +589,6 @@ def reproduce(
 
     from raylane.reproduce import DriftError
     from raylane.reproduce import reproduce as reproduce_run
-    from raylane.runtime import connect_ray, disconnect_ray
     from raylane.tracking import resolve_tracking_uri
 
     client = MlflowClient(tracking_uri=resolve_tracking_uri(tracking_uri))
@@ -609,14 +596,8 @@ def reproduce(
         client.get_run(run_id)
     except Exception as exc:
         raise _fail(f"run {run_id}: {str(exc).splitlines()[0]}") from None
-    started = False
-    try:
-        started = connect_ray()
+    with _on_ray(DriftError):
         result = reproduce_run(client, run_id, allow_drift=allow_drift, show=console.print)
-    except (*_user_errors(), DriftError) as exc:
-        raise _fail(str(exc)) from None
-    finally:
-        disconnect_ray(started)
     console.print(
         f"{result.verdict}{': ' + result.detail if result.detail else ''} "
         f"(run {result.run_id} reproduces {run_id})",
@@ -639,10 +620,8 @@ def quickstart(
 
     _setup_logging(verbose)
     cfg = _load(config, overrides)
-    try:
+    with _user_mistakes():
         run_quickstart(cfg, rows=requests, console=console)
-    except _user_errors() as exc:
-        raise _fail(str(exc)) from None
 
 
 def main() -> None:

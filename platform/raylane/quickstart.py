@@ -53,7 +53,9 @@ def run_quickstart(cfg: RaylaneConfig, rows: int, console: Console) -> None:
         from raylane.serving.leftovers import clear_before_local_serve
 
         clear_before_local_serve(cfg.serving.port)
-    started = connect_ray(serve_ingress=cfg.serving.ingress)
+    from raylane.serving.ingress import apply_ingress_env
+
+    started = connect_ray(before_local_start=lambda: apply_ingress_env(cfg.serving.ingress))
     try:
         console.rule(f"[2/4] train ({cfg.parallelism.strategy}, {cfg.parallelism.workers} workers)")
         outcome = run_training(cfg)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -12,12 +13,14 @@ def verbose() -> bool:
     return os.environ.get("RAYLANE_VERBOSE") == "1"
 
 
-def connect_ray(address: str | None = None, serve_ingress: str | None = None) -> bool:
+def connect_ray(
+    address: str | None = None, before_local_start: Callable[[], None] | None = None
+) -> bool:
     """Connect to the cluster at `address` / $RAY_ADDRESS, else start a local Ray.
 
     Returns True when this call started Ray (the caller then owns `ray.shutdown()`).
-    `serve_ingress` ('haproxy' or 'proxy', `serving.ingress`) selects Serve's HTTP ingress for
-    a Ray started here; a running cluster keeps the one it was started with.
+    `before_local_start` runs only when a Ray is started here, before it starts (serving sets
+    Serve's ingress variables with it: a running cluster keeps what it was started with).
     Ray 2.60 turns token authentication on for local clusters: a local start writes
     ~/.ray/auth_token, and clients of a `ray start` cluster need RAY_AUTH_MODE=token and that
     token (see the README). Inside a `ray job submit` job, RAY_ADDRESS is set by Ray itself.
@@ -27,10 +30,8 @@ def connect_ray(address: str | None = None, serve_ingress: str | None = None) ->
     if ray.is_initialized():
         return False
     address = address or os.environ.get("RAY_ADDRESS")
-    if address is None and serve_ingress is not None:
-        from raylane.serving.ingress import apply_ingress_env
-
-        apply_ingress_env(serve_ingress)
+    if address is None and before_local_start is not None:
+        before_local_start()
     # "local" always starts a new Ray for this process, even when another one (say a
     # `ray start` cluster of someone else's) runs on the machine.
     from raylane.console import long_step

@@ -11,7 +11,7 @@ import pytest
 
 from raylane.config.schema import StragglerConfig
 from raylane.parallel.param_server import Clock, Shard, assign_shards
-from raylane.train.step_times import StepTimes, step_metrics
+from raylane.tracking.step_times import StepTimes, step_metrics
 from raylane.train.straggler import Straggler
 
 

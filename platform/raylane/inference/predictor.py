@@ -7,9 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-
-class ModelNotFoundError(LookupError):
-    """No registered model version matches; the message names the model, alias and store."""
+from raylane.tracking.registry import resolve_version
 
 
 @dataclass(frozen=True)
@@ -69,32 +67,6 @@ class Predictor:
         if outputs.ndim == 3:
             outputs = outputs[:, -1, :]
         return outputs.numpy()
-
-
-def resolve_version(client, tracking_uri: str, name: str, alias: str, version: int | None = None):
-    """The registry's ModelVersion for `version`, or for the one holding `alias`.
-
-    Raises:
-        ModelNotFoundError: with a message naming the model, version or alias, and the store.
-    """
-    from mlflow.exceptions import MlflowException
-
-    from raylane.tracking.registry import champion_version
-
-    if version is not None:
-        try:
-            return client.get_model_version(name, str(version))
-        except MlflowException:
-            raise ModelNotFoundError(
-                f"registered model {name!r} has no version {version} in {tracking_uri}"
-            ) from None
-    found = champion_version(client, name, alias)
-    if found is None:
-        raise ModelNotFoundError(
-            f"no version of registered model {name!r} has alias {alias!r} in "
-            f"{tracking_uri}; train one first (raylane train)"
-        )
-    return found
 
 
 def _signature_dims(model_uri: str) -> tuple[int, int, str]:

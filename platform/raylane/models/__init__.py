@@ -1,4 +1,5 @@
-"""Plain torch models, with no parallelism inside them."""
+"""Plain torch models, with no parallelism inside them, and the optimizer that trains them
+(`raylane.models.optim`)."""
 
 from raylane.models.classifier import ConvClassifier, MLPClassifier, build_model
 

@@ -30,7 +30,7 @@ class ParallelStrategy(Protocol):
     saves_checkpoint: bool
     checkpoint_part: int
     #: Seconds of the last `train_step` by part: 'compute', 'comm' (exposed communication),
-    #: 'bubble' (pipeline stages waiting for each other); see raylane.train.step_times.
+    #: 'bubble' (pipeline stages waiting for each other); see raylane.tracking.step_times.
     last_step_parts: dict[str, float]
     #: Optional: JSON tables rank 0 logs with the run each epoch (name -> dict), and
     #: `steps_done()`, called when this worker's steps of an epoch are over, before the

@@ -30,7 +30,7 @@ class Shard:
         staleness_lr: bool,
         optimizer: str = "adamw",
     ):
-        from raylane.train.optim import build_optimizer
+        from raylane.models.optim import build_optimizer
 
         torch.set_num_threads(1)
         self.params = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in params]

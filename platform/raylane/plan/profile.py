@@ -124,7 +124,7 @@ def _time_optimizer(cfg) -> float:
     import torch
 
     from raylane.models import build_model
-    from raylane.train.optim import build_optimizer
+    from raylane.models.optim import build_optimizer
 
     model = build_model(cfg.model)
     params = list(model.parameters())

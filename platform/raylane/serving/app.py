@@ -165,6 +165,14 @@ def deploy(cfg: RaylaneConfig) -> tuple[str, int]:
     return url, version
 
 
+def roll_running_app(cfg: RaylaneConfig) -> tuple[str, int] | None:
+    """Roll raylane's running app onto the version `cfg` picks (after `raylane promote`), as
+    `deploy` does; None when no raylane app runs on the connected cluster."""
+    if APP_NAME not in running_app_names():
+        return None
+    return deploy(cfg)
+
+
 def running_app_names() -> set[str]:
     """Serve applications on the connected cluster (empty when Serve is not running)."""
     from ray import serve

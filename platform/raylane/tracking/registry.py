@@ -8,6 +8,10 @@ from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
 
 
+class ModelNotFoundError(LookupError):
+    """No registered model version matches; the message names the model, alias and store."""
+
+
 @dataclass(frozen=True)
 class PromotionDecision:
     version: int
@@ -64,3 +68,35 @@ def register_if_better(
         previous_version=None if current is None else int(current.version),
         previous_score=previous_score,
     )
+
+
+def resolve_version(client, tracking_uri: str, name: str, alias: str, version: int | None = None):
+    """The registry's ModelVersion for `version`, or for the one holding `alias`.
+
+    Raises:
+        ModelNotFoundError: with a message naming the model, version or alias, and the store.
+    """
+    if version is not None:
+        try:
+            return client.get_model_version(name, str(version))
+        except MlflowException:
+            raise ModelNotFoundError(
+                f"registered model {name!r} has no version {version} in {tracking_uri}"
+            ) from None
+    found = champion_version(client, name, alias)
+    if found is None:
+        raise ModelNotFoundError(
+            f"no version of registered model {name!r} has alias {alias!r} in "
+            f"{tracking_uri}; train one first (raylane train)"
+        )
+    return found
+
+
+def point_alias(client: MlflowClient, tracking_uri: str, name: str, alias: str, version: int):
+    """Give `alias` to `version` of `name` (`raylane promote`): by hand, whatever its score.
+
+    Raises:
+        ModelNotFoundError: the version does not exist (the alias stays where it was).
+    """
+    resolve_version(client, tracking_uri, name, alias, version)
+    client.set_registered_model_alias(name, alias, str(version))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from raylane.train.step_times import PARTS
+from raylane.tracking.step_times import PARTS
 
 
 def step_split_figure(history: list[dict[str, float]]):

@@ -28,9 +28,11 @@ from torch.nn import functional as F
 from raylane.config import RaylaneConfig
 from raylane.data.memory import MemorySplit, memory_batches
 from raylane.models import build_model
+from raylane.models.optim import build_optimizer
 from raylane.parallel import get_strategy
 from raylane.parallel.activation_checkpoint import apply_activation_checkpointing
 from raylane.parallel.meters import ActivationMeter, model_state_bytes
+from raylane.tracking.step_times import StepTimes, step_metrics
 from raylane.train.batches import iter_torch_batches
 from raylane.train.checkpointing import (
     restore_checkpoint,
@@ -38,9 +40,7 @@ from raylane.train.checkpointing import (
     save_checkpoint,
     save_sharded_checkpoint,
 )
-from raylane.train.optim import build_optimizer
 from raylane.train.phases import WorkerMarks
-from raylane.train.step_times import StepTimes, step_metrics
 from raylane.train.straggler import Straggler
 
 
@@ -120,7 +120,7 @@ def _my_batches(strategy, shard, cfg: RaylaneConfig, shuffle_seed: int | None) -
 
 def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank, marks):
     """One epoch: mean loss, rows seen by the group, this worker's epoch time, and the
-    group's step-time split (`raylane.train.step_times`)."""
+    group's step-time split (`raylane.tracking.step_times`)."""
     model.train()
     loss_sum, rows = 0.0, 0
     times = StepTimes()

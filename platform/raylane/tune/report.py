@@ -23,7 +23,7 @@ COLUMNS = ["rank", "layout", "strategy", "workers", "dp", "pp", "microbatches", 
            "comm_bytes_per_step", "predicted_samples_per_s", "predicted_step_ms",
            "measured_step_ms", "step_error", "predicted_memory_mb", "epochs", "status",
            "detail"]  # fmt: skip
-# The step-time split and bytes sent, from each trial's last epoch (raylane.train.step_times).
+# The step-time split and bytes sent, from each trial's last epoch (raylane.tracking.step_times).
 SPLIT = {"step_ms": "step_ms", "compute_ms": "step_compute_ms", "comm_ms": "step_comm_ms",
          "bubble_ms": "step_bubble_ms", "data_wait_ms": "step_data_wait_ms",
          "comm_bytes_per_step": "comm_bytes_per_step"}  # fmt: skip
