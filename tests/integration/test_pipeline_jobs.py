@@ -40,6 +40,7 @@ def test_pipeline_job_learns_and_records_its_layout_and_bubble(pipeline_run, cli
 
     layout = client.download_artifacts(outcome.run_id, "parallel/stage_layout.txt")
     assert Path(layout).read_text().splitlines() == [
+        "layout: pp 2 (2 workers)",
         "stage 0: embeddings, blocks 0-1 (x1 replicas)",
         "stage 1: blocks 2-3, norm + head (x1 replicas)",
     ]

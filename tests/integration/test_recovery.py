@@ -45,6 +45,7 @@ def _same_as_reference(trained, workspace, experiment: str) -> list[str]:
     return workspace.overrides(
         f"training.epochs={cfg.training.epochs}",
         f"tracking.system_metrics_interval_s={cfg.tracking.system_metrics_interval_s}",
+        f"data.feed={cfg.data.feed}",  # the reference reads through Ray Data
         f"experiment={experiment}",
         f"tracking.registered_model=raylane-{experiment}",
         "training.max_failures=1",

@@ -9,28 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from raylane.config.dims import ParallelDims
+
 if TYPE_CHECKING:
     from raylane.config.schema import RaylaneConfig
 
 PIPELINED = ("pipeline", "hybrid")
 DATA_PARALLEL = ("ddp", "local_sgd", "async", "ssp")
 SHARDED = ("tp", "fsdp")
-
-
-def sharded_dp(cfg: RaylaneConfig) -> int:
-    """The data-parallel degree of a tp/fsdp layout: `dp`, or workers / tp when dp is 1."""
-    par = cfg.parallelism
-    return par.workers // par.tp if par.dp == 1 else par.dp
-
-
-def replicas(cfg: RaylaneConfig) -> int:
-    """How many data-parallel replicas (workers reading different batches) a layout has."""
-    par = cfg.parallelism
-    if par.strategy in SHARDED:
-        return sharded_dp(cfg)
-    if par.strategy in PIPELINED:
-        return par.dp
-    return par.workers
 
 
 def stage_boundaries(n_layers: int, pp: int, split_points: list[int] | None) -> list[int]:
@@ -63,7 +49,7 @@ def describe_stages(cfg: RaylaneConfig) -> list[str]:
 
 
 def _describe_sharded(cfg: RaylaneConfig) -> str:
-    par, dp = cfg.parallelism, sharded_dp(cfg)
+    par, dp = cfg.parallelism, ParallelDims.from_parallelism(cfg.parallelism).dp
     parts = []
     if par.tp > 1:
         parts.append(

@@ -18,7 +18,6 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from raylane.parallel.base import LossFn
-from raylane.parallel.mesh import MeshDim
 from raylane.parallel.tensor_parallel import TensorParallel, apply_tensor_parallel
 
 
@@ -29,8 +28,8 @@ class FullyShardedDataParallel(TensorParallel):
         self._place()
         model = model.to(self.device)
         if self.tp > 1:
-            apply_tensor_parallel(model, self.mesh[MeshDim.TP.value])
-        dp_mesh = self.mesh[MeshDim.DP.value]
+            apply_tensor_parallel(model, self.mesh.tp_mesh)
+        dp_mesh = self.mesh.shard_mesh
         for block in getattr(model, "blocks", {}).values():
             fully_shard(block, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)

@@ -1,64 +1,83 @@
-"""Named device meshes: `dp` replicas x `pp` stages x `tp` tensor-parallel workers (pipelined
-jobs, 3D when tp > 1), `dp` x `tp` (tensor-parallel and sharded jobs)."""
+"""The one device mesh of a layout (`raylane.config.dims.ParallelDims`), and where this worker
+sits on it.
+
+Every layout builds the same four named dimensions, `dp_replicate x dp_shard x pp x tp`
+(degree 1 where unused), over the process group Ray Train already initialised, so a strategy
+asks for the sub-mesh it works on by name instead of building its own.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-
-class MeshDim(StrEnum):
-    DP = "dp"
-    PP = "pp"
-    TP = "tp"
+from raylane.config.dims import MESH_DIMS, ParallelDims
 
 
 @dataclass(frozen=True)
 class ParallelMesh:
-    """Where this worker sits: global rank = (dp_rank * pp + pp_rank) * tp + tp_rank."""
+    """The mesh and this worker's coordinates on it."""
 
     mesh: DeviceMesh
-    dp: int
-    pp: int
-    dp_rank: int
-    pp_rank: int
-    tp: int = 1
-    tp_rank: int = 0
+    dims: ParallelDims
+    rank: int
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def dp_rank(self) -> int:
+        """This worker's data-parallel index (replicas and shards together)."""
+        return self.dims.data_rank(self.rank)
+
+    @property
+    def pp_rank(self) -> int:
+        return self.mesh.get_local_rank("pp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh.get_local_rank("tp")
 
     @property
     def dp_group(self) -> dist.ProcessGroup:
-        return self.mesh[MeshDim.DP.value].get_group()
+        """The data-parallel workers of this worker's stage and tensor-parallel rank."""
+        if self.dims.dp_shard == 1:
+            return self.mesh["dp_replicate"].get_group()
+        if self.dims.dp_replicate == 1:
+            return self.mesh["dp_shard"].get_group()
+        return self.mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+
+    @property
+    def shard_mesh(self) -> DeviceMesh:
+        """What FSDP shards parameters over."""
+        return self.mesh["dp_shard"]
 
     @property
     def pp_group(self) -> dist.ProcessGroup:
-        return self.mesh[MeshDim.PP.value].get_group()
+        return self.mesh["pp"].get_group()
 
     @property
     def tp_mesh(self) -> DeviceMesh:
-        return self.mesh[MeshDim.TP.value]
+        return self.mesh["tp"]
 
 
-def build_mesh(dp: int, pp: int, device_type: str, tp: int = 1) -> ParallelMesh:
-    """A (dp, pp, tp) mesh over the process group Ray Train already initialised: the workers
-    of one tensor-parallel group are neighbours, then the stages, then the replicas."""
-    mesh = init_device_mesh(
-        device_type, (dp, pp, tp), mesh_dim_names=(MeshDim.DP, MeshDim.PP, MeshDim.TP)
-    )
-    return ParallelMesh(
-        mesh=mesh,
-        dp=dp,
-        pp=pp,
-        dp_rank=mesh.get_local_rank(MeshDim.DP.value),
-        pp_rank=mesh.get_local_rank(MeshDim.PP.value),
-        tp=tp,
-        tp_rank=mesh.get_local_rank(MeshDim.TP.value),
-    )
-
-
-def build_dp_tp_mesh(dp: int, tp: int, device_type: str) -> DeviceMesh:
-    """A (dp, tp) mesh: global rank = dp_rank * tp + tp_rank, so a tensor-parallel group is
-    neighbouring ranks (on one node when a node holds a multiple of tp workers)."""
-    return init_device_mesh(device_type, (dp, tp), mesh_dim_names=(MeshDim.DP, MeshDim.TP))
+def build_device_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
+    """The layout's mesh over the initialised process group (its size must be the layout's)."""
+    if dist.get_world_size() != dims.world_size:
+        raise ValueError(
+            f"layout {dims.describe()} needs {dims.world_size} workers; the process group has "
+            f"{dist.get_world_size()}"
+        )
+    mesh = init_device_mesh(device_type, dims.mesh_shape(), mesh_dim_names=MESH_DIMS)
+    return ParallelMesh(mesh=mesh, dims=dims, rank=dist.get_rank())

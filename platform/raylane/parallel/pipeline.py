@@ -20,10 +20,11 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from raylane.config import RaylaneConfig
+from raylane.config.dims import ParallelDims
 from raylane.config.layout import stage_boundaries
 from raylane.parallel.base import LossFn
 from raylane.parallel.collectives import average_gradients
-from raylane.parallel.mesh import build_mesh
+from raylane.parallel.mesh import build_device_mesh
 from raylane.parallel.meters import ActivationMeter, StageTimer
 from raylane.parallel.tensor_parallel import apply_tensor_parallel
 
@@ -55,7 +56,7 @@ class PipelineParallel:
         self.microbatches = par.microbatches
         self.schedule_name = par.schedule
         self.device = torch.device("cuda" if par.use_gpu else "cpu")
-        self.mesh = build_mesh(par.dp, par.pp, self.device.type, tp=par.tp)
+        self.mesh = build_device_mesh(ParallelDims.from_parallelism(par), self.device.type)
         self.stage_index = self.mesh.pp_rank
         self.num_stages = par.pp
         self.bounds = stage_boundaries(cfg.model.n_layers, par.pp, par.split_points)

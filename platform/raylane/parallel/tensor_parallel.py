@@ -23,10 +23,10 @@ from torch.distributed.tensor.parallel import (
 )
 
 from raylane.config import RaylaneConfig
-from raylane.config.layout import sharded_dp
+from raylane.config.dims import ParallelDims
 from raylane.parallel.base import LossFn
 from raylane.parallel.collectives import average_gradients
-from raylane.parallel.mesh import MeshDim, build_dp_tp_mesh
+from raylane.parallel.mesh import build_device_mesh
 
 
 def block_plan() -> dict:
@@ -61,10 +61,9 @@ class TensorParallel:
         par = cfg.parallelism
         self.name = par.strategy
         self.device = torch.device("cuda" if par.use_gpu else "cpu")
-        self.dp, self.tp = sharded_dp(cfg), par.tp
-        self.mesh = build_dp_tp_mesh(self.dp, self.tp, self.device.type)
-        self.dp_rank = self.mesh.get_local_rank(MeshDim.DP.value)
-        self.tp_rank = self.mesh.get_local_rank(MeshDim.TP.value)
+        self.mesh = build_device_mesh(ParallelDims.from_parallelism(par), self.device.type)
+        self.dp, self.tp = self.mesh.dp, self.mesh.tp
+        self.dp_rank, self.tp_rank = self.mesh.dp_rank, self.mesh.tp_rank
         self.data_rank, self.data_world = self.dp_rank, self.dp
         # The tp workers of a replica compute the same loss; one of them reports it.
         self.reports_loss = self.tp_rank == 0
@@ -80,7 +79,7 @@ class TensorParallel:
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         self._place()
-        return apply_tensor_parallel(model.to(self.device), self.mesh[MeshDim.TP.value])
+        return apply_tensor_parallel(model.to(self.device), self.mesh.tp_mesh)
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         return model
@@ -99,7 +98,7 @@ class TensorParallel:
         loss.backward()
         computed = time.perf_counter()
         if self.dp > 1:
-            average_gradients(model, self.mesh[MeshDim.DP.value].get_group(), self.dp)
+            average_gradients(model, self.mesh.dp_group, self.dp)
         averaged = time.perf_counter()
         optimizer.step()
         # The tensor-parallel all-reduces run inside forward and backward: counted as compute.

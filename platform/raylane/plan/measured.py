@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raylane.config import RaylaneConfig
-from raylane.config.layout import PIPELINED
+from raylane.config.dims import ParallelDims
 
 _FP32 = 4  # bytes of an activation or gradient element
 _STATE_BYTES_PER_PARAM = {"adamw": 4 + 4 + 8, "sgd": 4 + 4}
@@ -114,11 +114,9 @@ def predict_config(profile: dict, cfg: RaylaneConfig) -> LocalPrediction:
     layers, seq, width = model.n_layers, model.input_dim, model.d_model
     recompute = training.activation_checkpointing
     strategy = par.strategy
-    pipelined = strategy in PIPELINED
-    pp = par.pp if pipelined else 1
-    tp = par.tp if strategy in ("tp", "fsdp", "pipeline", "hybrid") else 1
-    dp = par.workers // (pp * tp)
-    micro = par.microbatches if pipelined else 1
+    dims = ParallelDims.from_parallelism(par)
+    pp, tp, dp = dims.pp, dims.tp, dims.dp
+    micro = par.microbatches if dims.pp_enabled else 1
     rows = training.batch_size / micro  # per micro-batch, per replica
 
     def block_s(r: float) -> float:
@@ -141,7 +139,7 @@ def predict_config(profile: dict, cfg: RaylaneConfig) -> LocalPrediction:
         per_block = 6 if recompute else 4
         tp_comm = stage_layers * per_block * _link(level.get("all_reduce"), activation_bytes)
 
-    if pipelined:
+    if dims.pp_enabled:
         last = stage_layers * block_s(rows) + _fit(level["ends"], rows) + tp_comm
         first = stage_layers * block_s(rows) + tp_comm
         send = 2 * _link(profile.get("p2p"), activation_bytes)

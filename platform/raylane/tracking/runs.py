@@ -15,6 +15,7 @@ from mlflow.tracking import MlflowClient
 from torch import nn
 
 from raylane.config import RaylaneConfig
+from raylane.config.dims import ParallelDims
 from raylane.config.layout import describe_stages
 from raylane.config.loader import config_to_yaml, flatten
 
@@ -29,17 +30,20 @@ REQUIREMENTS_ARTIFACT = "environment/requirements.txt"
 def log_run_context(cfg: RaylaneConfig, snapshot: dict[str, Any], dataset_digest: str) -> None:
     """Into the active run: flattened params, resolved config, cluster snapshot, dataset inputs."""
     params = {k: str(v)[:500] for k, v in flatten(cfg.model_dump(mode="json")).items()}
-    mlflow.log_params(params)
+    layout = ParallelDims.from_parallelism(cfg.parallelism)
+    mlflow.log_params({**params, **layout.as_params()})
     mlflow.log_text(config_to_yaml(cfg), CONFIG_ARTIFACT)
     code = snapshot["code"]
     diff = code.pop("git_diff", None)
     mlflow.log_dict(snapshot, SNAPSHOT_ARTIFACT)
     if diff:
         mlflow.log_text(diff, DIFF_ARTIFACT)  # a dirty tree: what differs from the commit
-    mlflow.log_text("\n".join(describe_stages(cfg)) + "\n", LAYOUT_ARTIFACT)
+    lines = [f"layout: {layout.describe()}", *describe_stages(cfg)]
+    mlflow.log_text("\n".join(lines) + "\n", LAYOUT_ARTIFACT)
     mlflow.set_tags(
         {
             "raylane.strategy": cfg.parallelism.strategy,
+            "raylane.layout": layout.describe(),
             "raylane.workers": str(cfg.parallelism.workers),
             "raylane.nodes": str(len(snapshot["nodes"])),
             "raylane.dataset_digest": dataset_digest,

@@ -11,6 +11,7 @@ from datetime import datetime
 from pathlib import Path
 
 from raylane.config import RaylaneConfig
+from raylane.config.dims import ParallelDims
 from raylane.train.phases import MARK_PREFIX, PhaseClock, marks_from_metrics
 
 log = logging.getLogger("raylane")
@@ -193,9 +194,9 @@ def run_training(
             },
         )
         log.info(
-            "training: %s, %d workers, %d epochs",
+            "training: %s, %s, %d epochs",
             cfg.parallelism.strategy,
-            cfg.parallelism.workers,
+            ParallelDims.from_parallelism(cfg.parallelism).describe(),
             cfg.training.epochs,
         )
         fit_start = time.time()

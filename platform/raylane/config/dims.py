@@ -1,0 +1,156 @@
+"""One parallel layout: the degrees a job's workers are split by, and how replicas agree.
+
+A layout is `dp_replicate x dp_shard x pp x tp` workers (`cp` is kept at 1 until context
+parallelism lands): data-parallel replicas that each hold the whole model, data-parallel
+workers that shard its parameters, gradients and optimizer state (FSDP), pipeline stages, and
+tensor-parallel workers per block. `Sync` says how the data-parallel workers agree: an
+all-reduce of every gradient (optionally compressed), a periodic average of the parameters
+(local SGD), or a parameter server (asynchronous, or with bounded staleness).
+
+Every strategy name a config gives (`parallelism.strategy`) is a preset of this type
+(`ParallelDims.from_parallelism`), so configs, README commands and MLflow records keep their
+names while the degrees, the ranks' coordinates and the description come from one place.
+The mesh itself is built by `raylane.parallel.mesh.build_device_mesh`; this module is pure
+Python so that configs validate without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from raylane.config.schema import ParallelismConfig
+
+#: Mesh dimensions, outermost first: the workers of one tensor-parallel group are neighbouring
+#: ranks (one node when a node holds a multiple of tp), then the stages, then the replicas.
+MESH_DIMS = ("dp_replicate", "dp_shard", "pp", "tp")
+
+SyncKind = Literal["all_reduce", "periodic_average", "parameter_server"]
+
+
+@dataclass(frozen=True)
+class Sync:
+    """How data-parallel workers agree on one model."""
+
+    kind: SyncKind = "all_reduce"
+    #: all_reduce: a DDP communication hook ('none', 'fp16', 'bf16', 'powersgd', 'topk').
+    compression: str = "none"
+    #: periodic_average: steps between parameter averages.
+    period: int = 1
+    #: parameter_server: steps a worker may run ahead of the slowest (None: unbounded).
+    staleness: int | None = None
+    #: parameter_server: actors the parameters are split over.
+    shards: int = 1
+
+    def describe(self) -> str:
+        if self.kind == "periodic_average":
+            return f"parameters averaged every {self.period} steps"
+        if self.kind == "parameter_server":
+            bound = "unbounded" if self.staleness is None else f"at most {self.staleness}"
+            return f"parameter server on {self.shards} shards, staleness {bound}"
+        return "gradients all-reduced" + (
+            f" ({self.compression} compressed)" if self.compression != "none" else ""
+        )
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The degrees of one layout; their product is the job's worker count."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    pp: int = 1
+    tp: int = 1
+    cp: int = 1
+    sync: Sync = field(default_factory=Sync)
+
+    def __post_init__(self) -> None:
+        for name in (*MESH_DIMS, "cp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"layout: {name} must be at least 1 (got {getattr(self, name)})")
+        if self.cp != 1:
+            raise ValueError(f"layout: context parallelism is not available yet (cp {self.cp})")
+
+    @classmethod
+    def from_parallelism(cls, par: ParallelismConfig) -> ParallelDims:
+        """The layout a `parallelism:` section asks for; its strategy name is a preset.
+
+        'tp' and 'fsdp' read `dp: 1` as workers / tp (as the config documents)."""
+        strategy, workers = par.strategy, par.workers
+        if strategy in ("tp", "fsdp"):
+            dp = workers // par.tp if par.dp == 1 else par.dp
+            if strategy == "fsdp":
+                return cls(dp_shard=dp, tp=par.tp)
+            return cls(dp_replicate=dp, tp=par.tp)
+        if strategy in ("pipeline", "hybrid"):
+            return cls(dp_replicate=par.dp, pp=par.pp, tp=par.tp)
+        if strategy == "local_sgd":
+            sync = Sync("periodic_average", period=par.local_sgd_period)
+        elif strategy in ("async", "ssp"):
+            staleness = par.staleness if strategy == "ssp" else None
+            sync = Sync("parameter_server", staleness=staleness, shards=par.ps_shards)
+        else:
+            sync = Sync(compression=par.grad_compression)
+        return cls(dp_replicate=workers, sync=sync)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.pp * self.tp * self.cp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel workers: each reads different batches."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, name) for name in MESH_DIMS)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Where global `rank` sits on each mesh dimension (row-major over MESH_DIMS)."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside a layout of {self.world_size} workers")
+        coords = {}
+        for name in reversed(MESH_DIMS):
+            size = getattr(self, name)
+            coords[name] = rank % size
+            rank //= size
+        return {name: coords[name] for name in MESH_DIMS}
+
+    def data_rank(self, rank: int) -> int:
+        """Which data-parallel worker `rank` is: the part of each global batch it trains on."""
+        coords = self.coordinates(rank)
+        return coords["dp_replicate"] * self.dp_shard + coords["dp_shard"]
+
+    def describe(self) -> str:
+        """One line for the console and MLflow, e.g. 'dp 2 x pp 2 x tp 2 (8 workers): ...'."""
+        parts = []
+        if self.dp_replicate > 1:
+            parts.append(f"dp {self.dp_replicate}")
+        if self.dp_shard > 1:
+            parts.append(f"dp_shard {self.dp_shard}")
+        if self.pp > 1:
+            parts.append(f"pp {self.pp}")
+        if self.tp > 1:
+            parts.append(f"tp {self.tp}")
+        workers = self.world_size
+        line = f"{' x '.join(parts) or 'one'} ({workers} worker{'s' if workers > 1 else ''})"
+        return f"{line}: {self.sync.describe()}" if self.dp > 1 else line
+
+    def as_params(self) -> dict[str, str]:
+        """MLflow params under `layout.`: every degree and the synchronisation."""
+        params = {f"layout.{name}": str(getattr(self, name)) for name in (*MESH_DIMS, "cp")}
+        params["layout.sync"] = self.sync.kind
+        return params

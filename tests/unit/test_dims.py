@@ -1,0 +1,79 @@
+"""The layout type every strategy name resolves to (raylane.config.dims)."""
+
+import pytest
+import torch
+
+from raylane.config import load_config
+from raylane.config.dims import MESH_DIMS, ParallelDims, Sync
+
+from .test_config import REFERENCE
+
+LM = "configs/train/lm_pipeline.yaml"
+
+
+def _dims(config, *overrides):
+    return ParallelDims.from_parallelism(load_config(config, list(overrides)).parallelism)
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides", "degrees", "sync"),
+    [
+        (REFERENCE, [], (2, 1, 1, 1), Sync()),
+        (REFERENCE, ["parallelism.grad_compression=fp16"], (2, 1, 1, 1), Sync(compression="fp16")),
+        (REFERENCE, ["parallelism.strategy=local_sgd", "parallelism.local_sgd_period=3"],
+         (2, 1, 1, 1), Sync("periodic_average", period=3)),
+        (REFERENCE, ["parallelism.strategy=async"], (2, 1, 1, 1),
+         Sync("parameter_server", staleness=None, shards=2)),
+        (REFERENCE, ["parallelism.strategy=ssp", "parallelism.staleness=3"], (2, 1, 1, 1),
+         Sync("parameter_server", staleness=3, shards=2)),
+        (LM, [], (1, 1, 2, 1), Sync()),
+        (LM, ["parallelism.strategy=hybrid", "parallelism.workers=4", "parallelism.dp=2"],
+         (2, 1, 2, 1), Sync()),
+        (LM, ["parallelism.strategy=hybrid", "parallelism.workers=8", "parallelism.dp=2",
+              "parallelism.tp=2"], (2, 1, 2, 2), Sync()),
+        ("configs/train/lm_tp.yaml", [], (1, 1, 1, 2), Sync()),
+        ("configs/train/lm_tp.yaml", ["parallelism.workers=4"], (2, 1, 1, 2), Sync()),
+        ("configs/train/lm_fsdp.yaml", [], (1, 2, 1, 1), Sync()),
+        ("configs/train/lm_fsdp.yaml", ["parallelism.workers=4", "parallelism.tp=2"],
+         (1, 2, 1, 2), Sync()),
+    ],
+)  # fmt: skip
+def test_every_strategy_name_is_a_preset_of_one_layout(config, overrides, degrees, sync):
+    cfg = load_config(config, overrides)
+    dims = ParallelDims.from_parallelism(cfg.parallelism)
+    assert dims.mesh_shape() == degrees
+    assert dims.sync == sync
+    assert dims.world_size == cfg.parallelism.workers
+
+
+def test_coordinates_are_the_meshs_row_major_order():
+    dims = ParallelDims(dp_replicate=2, dp_shard=1, pp=2, tp=2)
+    grid = torch.arange(dims.world_size).view(dims.mesh_shape())
+    for rank in range(dims.world_size):
+        where = dims.coordinates(rank)
+        assert grid[tuple(where[name] for name in MESH_DIMS)].item() == rank
+    # A tensor-parallel group is neighbouring ranks, then the stages, then the replicas.
+    assert dims.coordinates(5) == {"dp_replicate": 1, "dp_shard": 0, "pp": 0, "tp": 1}
+    assert [dims.data_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    hsdp = ParallelDims(dp_replicate=2, dp_shard=3)
+    assert [hsdp.data_rank(r) for r in range(6)] == [0, 1, 2, 3, 4, 5]
+    with pytest.raises(ValueError, match="rank 8 is outside a layout of 8 workers"):
+        dims.coordinates(8)
+
+
+def test_layout_describes_itself_and_names_impossible_degrees():
+    assert _dims(REFERENCE).describe() == "dp 2 (2 workers): gradients all-reduced"
+    three_d = _dims(LM, "parallelism.strategy=hybrid", "parallelism.workers=8",
+                    "parallelism.dp=2", "parallelism.tp=2")  # fmt: skip
+    assert three_d.describe() == "dp 2 x pp 2 x tp 2 (8 workers): gradients all-reduced"
+    assert _dims(LM).describe() == "pp 2 (2 workers)"
+    ssp = _dims(REFERENCE, "parallelism.strategy=ssp")
+    assert ssp.describe() == "dp 2 (2 workers): parameter server on 2 shards, staleness at most 2"
+    assert ssp.as_params() == {
+        "layout.dp_replicate": "2", "layout.dp_shard": "1", "layout.pp": "1", "layout.tp": "1",
+        "layout.cp": "1", "layout.sync": "parameter_server",
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="layout: tp must be at least 1"):
+        ParallelDims(tp=0)
+    with pytest.raises(ValueError, match="context parallelism is not available yet"):
+        ParallelDims(cp=2)
