@@ -227,11 +227,7 @@ def test_impossible_sharded_layouts_are_refused_with_a_sentence(config, override
 
 
 def test_sharded_layouts_are_described_and_count_their_replicas():
-    from raylane.config.dims import ParallelDims
-    from raylane.config.layout import describe_stages
-
-    def replicas(cfg):
-        return ParallelDims.from_parallelism(cfg.parallelism).dp
+    from raylane.config.layout import describe_stages, replicas
 
     fsdp_2d = load_config(LM_FSDP, ["parallelism.workers=8", "parallelism.tp=2"])
     assert replicas(fsdp_2d) == 4

@@ -19,6 +19,11 @@ DATA_PARALLEL = ("ddp", "local_sgd", "async", "ssp")
 SHARDED = ("tp", "fsdp")
 
 
+def replicas(cfg: RaylaneConfig) -> int:
+    """How many data-parallel workers (each reading different batches) a layout has."""
+    return ParallelDims.from_parallelism(cfg.parallelism).dp
+
+
 def stage_boundaries(n_layers: int, pp: int, split_points: list[int] | None) -> list[int]:
     """`[0, s1, ..., n_layers]`: stage k holds blocks `[b[k], b[k+1])`."""
     points = (

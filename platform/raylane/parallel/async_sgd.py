@@ -22,13 +22,13 @@ import torch.distributed as dist
 from torch import nn
 
 from raylane.config import RaylaneConfig
-from raylane.parallel.base import LossFn, world_size
+from raylane.parallel.base import LossFn, StrategyDefaults, world_size
 from raylane.parallel.param_server import ParameterShard, StalenessClock, assign_shards
 
 NAMESPACE = "raylane-param-server"
 
 
-class ParameterServerTraining:
+class ParameterServerTraining(StrategyDefaults):
     splits_dataset = True
     data_rank, data_world = 0, 1
     reports_loss = True
@@ -58,9 +58,6 @@ class ParameterServerTraining:
         self.model = model.to(self.device)
         self.params = list(self.model.parameters())
         return self.model
-
-    def unwrap_model(self, model: nn.Module) -> nn.Module:
-        return model
 
     def _start_servers(self) -> None:
         """Rank 0 starts the shards from its parameters (after any checkpoint was restored)
@@ -148,11 +145,6 @@ class ParameterServerTraining:
             "comm": connecting + pushed - computed,
         }
         return loss.detach()
-
-    def forward(
-        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
-    ) -> torch.Tensor:
-        return model(inputs.to(self.device)).cpu()
 
     def steps_done(self) -> None:
         """This worker's steps of the epoch are over: under 'ssp', nobody waits for it until

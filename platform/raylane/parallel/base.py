@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from raylane.parallel.meters import ActivationMeter
+
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -32,11 +34,20 @@ class ParallelStrategy(Protocol):
     #: Seconds of the last `train_step` by part: 'compute', 'comm' (exposed communication),
     #: 'bubble' (pipeline stages waiting for each other); see raylane.tracking.step_times.
     last_step_parts: dict[str, float]
-    #: Optional: JSON tables rank 0 logs with the run each epoch (name -> dict), and
-    #: `steps_done()`, called when this worker's steps of an epoch are over, before the
-    #: epoch's collectives (a worker others may be waiting for says it stopped).
-    # run_tables: dict[str, dict]
-    # def steps_done(self) -> None: ...
+    #: Every worker writes its shards of each checkpoint (torch distributed checkpoint), and
+    #: those with `writes_part` the assembled part as well.
+    sharded_checkpoint: bool
+    writes_part: bool
+    #: The strategy's own activation meter (pipeline stages measure inside their schedule);
+    #: None: the loop meters each step.
+    activations: ActivationMeter | None
+    #: JSON tables rank 0 logs with the run each epoch (name -> dict).
+    run_tables: dict[str, dict]
+
+    def steps_done(self) -> None:
+        """This worker's steps of an epoch are over, before the epoch's collectives (a worker
+        others may be waiting for says it stopped)."""
+        ...
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """Apply the strategy to a plain model on this worker; return what this worker trains."""
@@ -66,6 +77,32 @@ class ParallelStrategy(Protocol):
     def epoch_stats(self) -> dict[str, float]:
         """Strategy-specific measurements of the last epoch (collective: every rank calls)."""
         ...
+
+
+class StrategyDefaults:
+    """What a strategy that has nothing special there does for the protocol's optional parts:
+    one checkpoint file per part, the loop's own activation meter, no run tables, nothing to do
+    when its steps end, the plain model, evaluation on this worker's device, no epoch stats."""
+
+    sharded_checkpoint = False
+    writes_part = False
+    activations: ActivationMeter | None = None
+    run_tables: dict[str, dict] = {}  # noqa: RUF012 - a strategy that has tables sets its own
+    device: torch.device = torch.device("cpu")
+
+    def steps_done(self) -> None:
+        return None
+
+    def unwrap_model(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def forward(
+        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor | None:
+        return model(inputs.to(self.device)).cpu()
+
+    def epoch_stats(self) -> dict[str, float]:
+        return {}
 
 
 def world_size() -> int:

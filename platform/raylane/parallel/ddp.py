@@ -9,10 +9,10 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from raylane.config import RaylaneConfig
-from raylane.parallel.base import LossFn
+from raylane.parallel.base import LossFn, StrategyDefaults
 
 
-class DataParallel:
+class DataParallel(StrategyDefaults):
     """DistributedDataParallel set up by Ray Train (gloo on CPU, NCCL on GPU)."""
 
     name = "ddp"
@@ -65,11 +65,6 @@ class DataParallel:
         self.last_step_parts = {"compute": done - started - exposed, "comm": exposed}
         self.steps += 1
         return loss.detach()
-
-    def forward(
-        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
-    ) -> torch.Tensor:
-        return model(inputs.to(self.device)).cpu()
 
     def epoch_stats(self) -> dict[str, float]:
         """Bytes this worker handed to gradient collectives per step, against fp32's."""

@@ -16,14 +16,14 @@ from torch.distributed.algorithms.model_averaging import utils as averaging
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 from raylane.config import RaylaneConfig
-from raylane.parallel.base import LossFn, world_size
+from raylane.parallel.base import LossFn, StrategyDefaults, world_size
 
 
 def _distributed() -> bool:
     return world_size() > 1
 
 
-class LocalSGD:
+class LocalSGD(StrategyDefaults):
     name = "local_sgd"
     splits_dataset = True
     data_rank, data_world = 0, 1
@@ -46,9 +46,6 @@ class LocalSGD:
                 dist.broadcast(tensor, src=0)
         self.averager = PeriodicModelAverager(period=self.period, warmup_steps=0)
         self.model = model
-        return model
-
-    def unwrap_model(self, model: nn.Module) -> nn.Module:
         return model
 
     def train_step(
@@ -77,11 +74,6 @@ class LocalSGD:
             "comm": time.perf_counter() - computed,
         }
         return loss.detach()
-
-    def forward(
-        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
-    ) -> torch.Tensor:
-        return model(inputs.to(self.device)).cpu()
 
     def epoch_stats(self) -> dict[str, float]:
         """Bytes sent per step against DDP's fp32 all-reduce of every gradient, every step.

@@ -22,7 +22,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from raylane.config import RaylaneConfig
 from raylane.config.dims import ParallelDims
 from raylane.config.layout import stage_boundaries
-from raylane.parallel.base import LossFn
+from raylane.parallel.base import LossFn, StrategyDefaults
 from raylane.parallel.collectives import average_gradients
 from raylane.parallel.mesh import build_device_mesh
 from raylane.parallel.meters import ActivationMeter, StageTimer
@@ -45,7 +45,7 @@ def build_stage_module(model: nn.Module, stage: int, bounds: list[int]) -> nn.Mo
     return model
 
 
-class PipelineParallel:
+class PipelineParallel(StrategyDefaults):
     """`pp` stages, `microbatches` per batch, optionally `dp` replicas (strategy 'hybrid')."""
 
     splits_dataset = False
@@ -88,9 +88,6 @@ class PipelineParallel:
         )
         self.timer.instrument(self.stage)
         return module
-
-    def unwrap_model(self, model: nn.Module) -> nn.Module:
-        return model
 
     def _schedule_for(self, loss_fn: LossFn | None):
         if self._schedule is None:

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import (
 
 from raylane.config import RaylaneConfig
 from raylane.config.dims import ParallelDims
-from raylane.parallel.base import LossFn
+from raylane.parallel.base import LossFn, StrategyDefaults
 from raylane.parallel.collectives import average_gradients
 from raylane.parallel.mesh import build_device_mesh
 
@@ -49,7 +49,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-class TensorParallel:
+class TensorParallel(StrategyDefaults):
     """`tp` workers per model, `dp` replicas (workers = dp * tp)."""
 
     splits_dataset = False
@@ -81,9 +81,6 @@ class TensorParallel:
         self._place()
         return apply_tensor_parallel(model.to(self.device), self.mesh.tp_mesh)
 
-    def unwrap_model(self, model: nn.Module) -> nn.Module:
-        return model
-
     def train_step(
         self,
         model: nn.Module,
@@ -113,6 +110,3 @@ class TensorParallel:
     ) -> torch.Tensor | None:
         outputs = model(inputs.to(self.device)).cpu()  # every tp worker takes part
         return outputs if self.reports_loss else None
-
-    def epoch_stats(self) -> dict[str, float]:
-        return {}

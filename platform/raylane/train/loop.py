@@ -130,7 +130,7 @@ def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank, marks):
     batches = _my_batches(strategy, shard, cfg, seed)
     # Activation bytes autograd holds: the strategy's own meter (pipeline stages), else one
     # around each step.
-    activations = getattr(strategy, "activations", None)
+    activations = strategy.activations
     own_meter = activations is None
     if own_meter:
         activations = ActivationMeter()
@@ -159,9 +159,7 @@ def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank, marks):
         marks.mark("first_step")
         step_start = now
     elapsed = time.perf_counter() - start
-    steps_done = getattr(strategy, "steps_done", None)  # before the collective below
-    if steps_done is not None:
-        steps_done()
+    strategy.steps_done()  # before the collective below
     memory = {**model_state_bytes(model, optimizer), "activation_peak": activations.peak_bytes}
     total_loss, total_rows, *step_totals = _all_reduce([loss_sum, rows, *times.as_list()])
     # The largest worker's model state and activations (MB): what must fit on one device.
@@ -266,7 +264,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         checkpoint = ray.train.Checkpoint(str(cfg.training.resume_from))
     if checkpoint is not None:
         with checkpoint.as_directory() as directory:
-            if getattr(strategy, "sharded_checkpoint", False):
+            if strategy.sharded_checkpoint:
                 start_epoch = restore_sharded_checkpoint(Path(directory), model, optimizer)
             else:
                 start_epoch = restore_checkpoint(
@@ -343,8 +341,8 @@ def _train_epochs(
             epoch_logger.log(metrics, step=epoch)
             split_history.append(metrics)
             epoch_logger.log_step_split(split_history)
-            epoch_logger.log_tables(getattr(strategy, "run_tables", {}))
-        sharded = getattr(strategy, "sharded_checkpoint", False)
+            epoch_logger.log_tables(strategy.run_tables)
+        sharded = strategy.sharded_checkpoint
         # A sharded checkpoint needs every worker's files; otherwise only the writers report.
         reports = sharded or strategy.saves_checkpoint
         with tempfile.TemporaryDirectory() as directory:
