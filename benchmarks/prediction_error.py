@@ -21,7 +21,8 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from raylane.tune.search import measured_calibration, run_search
+from raylane.tune.calibration import measured_calibration
+from raylane.tune.search import run_search
 from raylane.tune.spec import TuneSpec
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,7 +11,6 @@ state is not in the checkpoint: a resumed run restarts its moments.
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections import Counter
 
@@ -22,23 +21,18 @@ import torch.distributed as dist
 from torch import nn
 
 from raylane.config import RaylaneConfig
-from raylane.parallel.base import LossFn, StrategyDefaults, world_size
+from raylane.parallel.base import WholeModelReplica, world_size
 from raylane.parallel.param_server import ParameterShard, StalenessClock, assign_shards
 
 NAMESPACE = "raylane-param-server"
 
 
-class ParameterServerTraining(StrategyDefaults):
-    splits_dataset = True
-    data_rank, data_world = 0, 1
-    reports_loss = True
-    checkpoint_part = 0
+class ParameterServerTraining(WholeModelReplica):
+    steps_optimizer = False  # the shards apply the optimizer
 
     def __init__(self, cfg: RaylaneConfig, rank: int):
+        super().__init__(cfg, rank)
         par = cfg.parallelism
-        self.name = par.strategy
-        self.rank = rank
-        self.saves_checkpoint = rank == 0
         self.bound = par.staleness if par.strategy == "ssp" else None
         self.shard_count = par.ps_shards
         self.lr, self.weight_decay = cfg.training.lr, cfg.training.weight_decay
@@ -46,8 +40,6 @@ class ParameterServerTraining(StrategyDefaults):
         self.staleness_lr = par.staleness_lr
         self.shards: list = []
         self.clock = None
-        self.last_step_parts: dict[str, float] = {}
-        self.sent_bytes = self.dense_bytes = self.steps = 0
         self.blocked_s = 0.0
         self.run_tables: dict[str, dict] = {}
 
@@ -105,25 +97,13 @@ class ParameterServerTraining(StrategyDefaults):
                 self.params[index].copy_(torch.as_tensor(value))
         self.versions[shard] = version
 
-    def train_step(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-    ) -> torch.Tensor:
-        connect_started = time.perf_counter()
+    def sync_gradients(self, model: nn.Module) -> None:
+        """Push this worker's gradients to their shards and continue from the parameters they
+        send back (the shards step the optimizer); under 'ssp', wait while too far ahead. The
+        first call starts the shards (counted as that step's communication)."""
         if not self.shards:
-            self._start_servers()  # once per run; counted as this step's communication
-        started = time.perf_counter()
-        connecting = started - connect_started
-        for param in self.params:
-            param.grad = None
-        loss = loss_fn(model(inputs.to(self.device)), targets.to(self.device))
-        loss.backward()
+            self._start_servers()
         grads = [p.grad.detach().cpu().numpy() for p in self.params]
-        computed = time.perf_counter()
         pushes = []
         for shard, owned in enumerate(self.owned):
             mine = [grads[i] for i in owned]
@@ -133,18 +113,10 @@ class ParameterServerTraining(StrategyDefaults):
         # still cannot start its next step until it is within the bound.
         advance = [self.clock.advance.remote(self.rank)] if self.clock is not None else []
         replies = ray.get(pushes + advance)
-        waited = replies.pop() if advance else 0.0
+        self.blocked_s += replies.pop() if advance else 0.0
         for shard, (values, version) in enumerate(replies):
             self._load(shard, values, version)
         self.dense_bytes += sum(g.nbytes for g in grads)
-        pushed = time.perf_counter()
-        self.blocked_s += waited
-        self.steps += 1
-        self.last_step_parts = {
-            "compute": computed - started,
-            "comm": connecting + pushed - computed,
-        }
-        return loss.detach()
 
     def steps_done(self) -> None:
         """This worker's steps of the epoch are over: under 'ssp', nobody waits for it until

@@ -7,6 +7,7 @@ strategy's name.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -80,15 +81,69 @@ class ParallelStrategy(Protocol):
 
 
 class StrategyDefaults:
-    """What a strategy that has nothing special there does for the protocol's optional parts:
-    one checkpoint file per part, the loop's own activation meter, no run tables, nothing to do
-    when its steps end, the plain model, evaluation on this worker's device, no epoch stats."""
+    """The one training step every strategy but the pipeline's runs, and what a strategy that
+    has nothing special there does for the protocol's other parts: one checkpoint file per
+    part, the loop's own activation meter, no run tables, nothing to do when its steps end, the
+    plain model, evaluation on this worker's device, no epoch stats.
+
+    The step is zero_grad -> forward -> backward -> `sync_gradients` -> optimizer step (unless
+    the strategy's parameters are updated elsewhere: `steps_optimizer`) -> `after_step`.
+    What the two hooks take, and what `backward_comm_s` says backward waited for collectives
+    after its last gradient was ready, is the step's exposed communication; the rest is
+    compute. Pipelines override `train_step`: their schedule drives forward and backward.
+    """
 
     sharded_checkpoint = False
     writes_part = False
     activations: ActivationMeter | None = None
     run_tables: dict[str, dict] = {}  # noqa: RUF012 - a strategy that has tables sets its own
     device: torch.device = torch.device("cpu")
+    #: False where the parameters come back from elsewhere (a parameter server).
+    steps_optimizer = True
+    #: Optimizer steps taken since the strategy's epoch stats last reset.
+    steps = 0
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        """After backward, before the optimizer step: make the gradients the replicas'."""
+        return None
+
+    def after_step(self, model: nn.Module) -> None:
+        """After the optimizer step (local SGD averages the parameters here)."""
+        return None
+
+    def backward_comm_s(self, backward_started: float, backward_done: float) -> float:
+        """Seconds of backward spent only waiting for collectives (DDP's last buckets)."""
+        return 0.0
+
+    def train_step(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loss_fn: LossFn,
+        inputs: torch.Tensor,
+        targets: torch.Tensor,
+    ) -> torch.Tensor:
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model(inputs.to(self.device)), targets.to(self.device))
+        backward_started = time.perf_counter()
+        loss.backward()
+        backward_done = time.perf_counter()
+        self.sync_gradients(model)
+        synced = time.perf_counter()
+        if self.steps_optimizer:
+            optimizer.step()
+        stepped = time.perf_counter()
+        self.after_step(model)
+        done = time.perf_counter()
+        comm = (
+            self.backward_comm_s(backward_started, backward_done)
+            + (synced - backward_done)
+            + (done - stepped)
+        )
+        self.last_step_parts = {"compute": done - started - comm, "comm": comm}
+        self.steps += 1
+        return loss.detach()
 
     def steps_done(self) -> None:
         return None
@@ -103,6 +158,23 @@ class StrategyDefaults:
 
     def epoch_stats(self) -> dict[str, float]:
         return {}
+
+
+class WholeModelReplica(StrategyDefaults):
+    """Every worker holds the whole model and trains on its own shard of the data (DDP, local
+    SGD, the parameter server); rank 0 writes the checkpoint."""
+
+    splits_dataset = True
+    data_rank, data_world = 0, 1
+    reports_loss = True
+    checkpoint_part = 0
+
+    def __init__(self, cfg, rank: int):
+        self.name = cfg.parallelism.strategy
+        self.rank = rank
+        self.saves_checkpoint = rank == 0
+        self.last_step_parts: dict[str, float] = {}
+        self.sent_bytes = self.dense_bytes = self.steps = 0
 
 
 def world_size() -> int:

@@ -2,31 +2,20 @@
 
 from __future__ import annotations
 
-import time
-
-import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from raylane.config import RaylaneConfig
-from raylane.parallel.base import LossFn, StrategyDefaults
+from raylane.parallel.base import WholeModelReplica
 
 
-class DataParallel(StrategyDefaults):
+class DataParallel(WholeModelReplica):
     """DistributedDataParallel set up by Ray Train (gloo on CPU, NCCL on GPU)."""
 
-    name = "ddp"
-    splits_dataset = True
-    data_rank, data_world = 0, 1
-    reports_loss = True
-    checkpoint_part = 0
-
     def __init__(self, cfg: RaylaneConfig, rank: int):
-        self.saves_checkpoint = rank == 0
+        super().__init__(cfg, rank)
         self.grad_compression = cfg.parallelism.grad_compression
         self.topk_ratio = cfg.parallelism.topk_ratio
-        self.last_step_parts: dict[str, float] = {}
-        self.steps = 0
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         from ray.train.torch import prepare_model
@@ -43,28 +32,10 @@ class DataParallel(StrategyDefaults):
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         return model.module if isinstance(model, DistributedDataParallel) else model
 
-    def train_step(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-    ) -> torch.Tensor:
-        started = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(inputs.to(self.device)), targets.to(self.device))
-        backward_started = time.perf_counter()
-        loss.backward()
-        backward_done = time.perf_counter()
-        optimizer.step()
-        done = time.perf_counter()
+    def backward_comm_s(self, backward_started: float, backward_done: float) -> float:
         # After the last gradient bucket was ready, backward only waited for all-reduces.
         ready = self.meter.take_last_ready()
-        exposed = backward_done - ready if ready is not None and ready > backward_started else 0
-        self.last_step_parts = {"compute": done - started - exposed, "comm": exposed}
-        self.steps += 1
-        return loss.detach()
+        return backward_done - ready if ready is not None and ready > backward_started else 0.0
 
     def epoch_stats(self) -> dict[str, float]:
         """Bytes this worker handed to gradient collectives per step, against fp32's."""

@@ -11,13 +11,9 @@ and FSDP shards each tp shard over the dp workers.
 
 from __future__ import annotations
 
-import time
-
-import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from raylane.parallel.base import LossFn
 from raylane.parallel.tensor_parallel import TensorParallel, apply_tensor_parallel
 
 
@@ -35,20 +31,7 @@ class FullyShardedDataParallel(TensorParallel):
         fully_shard(model, mesh=dp_mesh)
         return model
 
-    def train_step(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-    ) -> torch.Tensor:
-        started = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(inputs.to(self.device)), targets.to(self.device))
-        loss.backward()
-        optimizer.step()
+    def sync_gradients(self, model: nn.Module) -> None:
         # FSDP's all-gathers and reduce-scatters run inside forward and backward (overlapped
         # where the backend allows): counted as compute.
-        self.last_step_parts = {"compute": time.perf_counter() - started}
-        return loss.detach()
+        return None

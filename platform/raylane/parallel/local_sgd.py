@@ -7,34 +7,23 @@ bytes on the wire per step are the model's size / H instead of DDP's every step.
 
 from __future__ import annotations
 
-import time
-
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.model_averaging import utils as averaging
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
 
 from raylane.config import RaylaneConfig
-from raylane.parallel.base import LossFn, StrategyDefaults, world_size
+from raylane.parallel.base import WholeModelReplica, world_size
 
 
 def _distributed() -> bool:
     return world_size() > 1
 
 
-class LocalSGD(StrategyDefaults):
-    name = "local_sgd"
-    splits_dataset = True
-    data_rank, data_world = 0, 1
-    reports_loss = True
-    checkpoint_part = 0
-
+class LocalSGD(WholeModelReplica):
     def __init__(self, cfg: RaylaneConfig, rank: int):
-        self.saves_checkpoint = rank == 0
+        super().__init__(cfg, rank)
         self.period = cfg.parallelism.local_sgd_period
-        self.last_step_parts: dict[str, float] = {}
-        self.sent_bytes = self.dense_bytes = self.steps = 0
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         from ray.train.torch import get_device
@@ -48,32 +37,13 @@ class LocalSGD(StrategyDefaults):
         self.model = model
         return model
 
-    def train_step(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-    ) -> torch.Tensor:
-        started = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(inputs.to(self.device)), targets.to(self.device))
-        loss.backward()
-        optimizer.step()
-        computed = time.perf_counter()
+    def after_step(self, model: nn.Module) -> None:
         model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if _distributed():
             averages = self.averager.step % self.period == 0
             self.averager.average_parameters(model.parameters())
             self.sent_bytes += model_bytes if averages else 0
         self.dense_bytes += model_bytes
-        self.steps += 1
-        self.last_step_parts = {
-            "compute": computed - started,
-            "comm": time.perf_counter() - computed,
-        }
-        return loss.detach()
 
     def epoch_stats(self) -> dict[str, float]:
         """Bytes sent per step against DDP's fp32 all-reduce of every gradient, every step.

@@ -11,8 +11,6 @@ them) before each optimizer step. The tp workers of one replica read the same ba
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -24,7 +22,7 @@ from torch.distributed.tensor.parallel import (
 
 from raylane.config import RaylaneConfig
 from raylane.config.dims import ParallelDims
-from raylane.parallel.base import LossFn, StrategyDefaults
+from raylane.parallel.base import StrategyDefaults
 from raylane.parallel.collectives import average_gradients
 from raylane.parallel.mesh import build_device_mesh
 
@@ -81,29 +79,10 @@ class TensorParallel(StrategyDefaults):
         self._place()
         return apply_tensor_parallel(model.to(self.device), self.mesh.tp_mesh)
 
-    def train_step(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-    ) -> torch.Tensor:
-        started = time.perf_counter()
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(inputs.to(self.device)), targets.to(self.device))
-        loss.backward()
-        computed = time.perf_counter()
+    def sync_gradients(self, model: nn.Module) -> None:
+        # The tensor-parallel all-reduces run inside forward and backward: counted as compute.
         if self.dp > 1:
             average_gradients(model, self.mesh.dp_group, self.dp)
-        averaged = time.perf_counter()
-        optimizer.step()
-        # The tensor-parallel all-reduces run inside forward and backward: counted as compute.
-        self.last_step_parts = {
-            "compute": computed - started + time.perf_counter() - averaged,
-            "comm": averaged - computed,
-        }
-        return loss.detach()
 
     def forward(
         self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor

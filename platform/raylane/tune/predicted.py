@@ -13,6 +13,7 @@ from ray.tune.search import Searcher
 
 from raylane.config import ConfigError
 from raylane.plan.measured import LocalPrediction, ProfileMismatch, predict_config
+from raylane.tune.calibration import METRIC, measured_calibration
 from raylane.tune.candidates import Candidate, Pruned, trial_config
 from raylane.tune.spec import TuneSpec
 
@@ -144,8 +145,6 @@ class PredictedFirst(Searcher):
 
     def on_trial_complete(self, trial_id: str, result=None, error: bool = False) -> None:
         import statistics
-
-        from raylane.tune.search import METRIC, measured_calibration
 
         key = self.running.pop(trial_id, None)
         epochs = self.epochs.get(key or "", [])

@@ -12,6 +12,7 @@ from typing import Any
 
 from raylane.plan.measured import LocalPrediction
 from raylane.runtime import verbose
+from raylane.tune.calibration import METRIC, Calibration, measured_calibration
 from raylane.tune.candidates import (
     TRIAL_DRIVER_CPU,
     Candidate,
@@ -23,8 +24,6 @@ from raylane.tune.progress import TrialProgress
 from raylane.tune.spec import TuneSpec
 
 log = logging.getLogger("raylane")
-
-METRIC = "train_samples_per_s"
 
 
 @dataclass
@@ -50,19 +49,6 @@ class TrialOutcome:
     @property
     def world_size(self) -> int:
         return int(self.candidate.overrides["parallelism.workers"])
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """What the first measured trial showed the profile-only predictions miss."""
-
-    layout: str
-    step_scale: float  # measured / predicted step time, input wait left out
-    data_wait_s: float  # measured wait for input per step
-    memory_offset_mb: float  # measured - predicted peak worker memory
-
-    def apply(self, predicted: LocalPrediction) -> LocalPrediction:
-        return predicted.calibrated(self.step_scale, self.data_wait_s, self.memory_offset_mb)
 
 
 @dataclass
@@ -284,23 +270,6 @@ def run_search(spec: TuneSpec) -> SearchOutcome:
         for item in not_run:
             item.predicted = calibration.apply(predictions[item.candidate.key])
     return SearchOutcome(trials, pruned, wall_s, not_run, profile_run_id, profile_s, calibration)
-
-
-def measured_calibration(
-    layout: str,
-    predicted: LocalPrediction,
-    step_ms: float,
-    data_wait_ms: float | None,
-    peak_mb: float | None,
-) -> Calibration:
-    """What one measured layout says about the profile's predictions."""
-    wait_ms = min(data_wait_ms or 0.0, step_ms)
-    return Calibration(
-        layout=layout,
-        step_scale=(step_ms - wait_ms) / predicted.step_ms,
-        data_wait_s=wait_ms / 1000,
-        memory_offset_mb=(peak_mb or predicted.memory_mb) - predicted.memory_mb,
-    )
 
 
 def _calibrate(trials: list[TrialOutcome], order: list[str]) -> Calibration | None:
