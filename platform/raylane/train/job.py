@@ -148,17 +148,9 @@ def run_training(
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from raylane.console import long_step
     from raylane.data import dataset_digest
-    from raylane.data.parquet import read_rows
-    from raylane.data.ray_datasets import read_datasets
     from raylane.runtime import connect_ray
-    from raylane.tracking.cluster import snapshot_cluster
-    from raylane.tracking.identity import code_digest, package_dir, weights_digest
-    from raylane.tracking.registry import register_if_better
-    from raylane.tracking.runs import log_run_context, log_trained_model
-    from raylane.train.progress import EpochProgress
-    from raylane.train.trainer import build_trainer
+    from raylane.tracking.identity import weights_digest
 
     phases = phases or PhaseClock()
     with phases.phase("preflight"):
@@ -177,73 +169,22 @@ def run_training(
         start = {"run_name": run_name}
     with mlflow.start_run(**start) as run:
         log.info("MLflow run %s in %s", run.info.run_id, tracking_uri)
-        if tags:
-            mlflow.set_tags(tags)
-        if resume_run_id:
-            mlflow.set_tag("raylane.resumed", "true")
-        else:
-            log_run_context(cfg, snapshot_cluster(cfg), digest)
-        trainer = build_trainer(
-            cfg,
-            read_datasets(cfg),
-            run_name,
-            {
-                "tracking_uri": tracking_uri,
-                "run_id": run.info.run_id,
-                "driver_code": {"code_digest": code_digest(), "code_path": str(package_dir())},
-            },
-        )
-        log.info(
-            "training: %s, %s, %d epochs",
-            cfg.parallelism.strategy,
-            ParallelDims.from_parallelism(cfg.parallelism).describe(),
-            cfg.training.epochs,
-        )
+        _tag_run(cfg, tags, resume_run_id, digest)
+        trainer = _job_trainer(cfg, run_name, tracking_uri, run.info.run_id)
         fit_start = time.time()
         phases.add("run_setup", fit_start - setup_start)
-        warming = _warm_model_logging() if register else None
-        with EpochProgress(tracking_uri, run.info.run_id, cfg.training.epochs):
-            result = _fit(trainer)
-        if warming is not None:
-            warming.join()
+        result, metrics = _fit_run(cfg, trainer, tracking_uri, run.info.run_id, register)
         fit_end = time.time()
         if result.checkpoint is None:
             raise RuntimeError(f"run {run_name} ended without a checkpoint")
         phases.split_fit(fit_start, fit_end, marks_from_metrics(result.metrics))
-        metrics = {
-            k: v
-            for k, v in result.metrics.items()
-            if isinstance(v, int | float) and not k.startswith(MARK_PREFIX)
-        }
         mlflow.set_tag("raylane.checkpoint", result.checkpoint.path)
-
         final = _final_model(cfg, result.checkpoint)
         mlflow.set_tag("raylane.weights_digest", weights_digest(final.state_dict()))
-        model_uri, version, promoted, promotion = None, None, False, "not registered"
-        if register:
-            log.info("logging and registering the model as %s", cfg.tracking.registered_model)
-            with long_step("logging the model (torch.export) and registering it"):
-                model_info = log_trained_model(
-                    final, cfg, read_rows(cfg.data.validation_path, cfg, limit=5)[0]
-                )
-            decision = register_if_better(
-                MlflowClient(),
-                cfg.tracking.registered_model,
-                model_info.registered_model_version,
-                float(metrics[cfg.tracking.champion_metric]),
-                cfg.tracking.champion_alias,
-                cfg.tracking.champion_metric,
-            )
-            promotion = decision.describe(
-                cfg.tracking.registered_model, cfg.tracking.champion_alias
-            )
-            mlflow.set_tag("raylane.promotion", promotion)
-            log.info(promotion)
-            model_uri, version, promoted = (
-                model_info.model_uri, decision.version, decision.promoted
-            )  # fmt: skip
+        registered = _log_and_register(final, cfg, metrics) if register else None
         phases.add("model", time.time() - fit_end)
         mlflow.log_metrics(phases.metrics())
+    model_uri, version, promoted, promotion = registered or (None, None, False, "not registered")
     return TrainingOutcome(
         run_id=run.info.run_id,
         experiment_id=experiment.experiment_id,
@@ -255,3 +196,92 @@ def run_training(
         promoted=promoted,
         promotion=promotion,
     )
+
+
+def _tag_run(cfg: RaylaneConfig, tags, resume_run_id: str | None, digest: str) -> None:
+    """The caller's tags; a resumed run is marked, a new one gets its whole context."""
+    import mlflow
+
+    from raylane.tracking.cluster import snapshot_cluster
+    from raylane.tracking.runs import log_run_context
+
+    if tags:
+        mlflow.set_tags(tags)
+    if resume_run_id:
+        mlflow.set_tag("raylane.resumed", "true")
+    else:
+        log_run_context(cfg, snapshot_cluster(cfg), digest)
+
+
+def _job_trainer(cfg: RaylaneConfig, run_name: str, tracking_uri: str, run_id: str):
+    """The job's TorchTrainer: its datasets, the MLflow run its workers log to, and the
+    driver's code identity (workers running other code are refused)."""
+    from raylane.data.ray_datasets import read_datasets
+    from raylane.tracking.identity import code_digest, package_dir
+    from raylane.train.trainer import build_trainer
+
+    trainer = build_trainer(
+        cfg,
+        read_datasets(cfg),
+        run_name,
+        {
+            "tracking_uri": tracking_uri,
+            "run_id": run_id,
+            "driver_code": {"code_digest": code_digest(), "code_path": str(package_dir())},
+        },
+    )
+    log.info(
+        "training: %s, %s, %d epochs",
+        cfg.parallelism.strategy,
+        ParallelDims.from_parallelism(cfg.parallelism).describe(),
+        cfg.training.epochs,
+    )
+    return trainer
+
+
+def _fit_run(cfg: RaylaneConfig, trainer, tracking_uri: str, run_id: str, register: bool):
+    """Fit with the epoch lines on the console; the result and its numeric final metrics."""
+    from raylane.train.progress import EpochProgress
+
+    warming = _warm_model_logging() if register else None
+    with EpochProgress(tracking_uri, run_id, cfg.training.epochs):
+        result = _fit(trainer)
+    if warming is not None:
+        warming.join()
+    metrics = {
+        k: v
+        for k, v in result.metrics.items()
+        if isinstance(v, int | float) and not k.startswith(MARK_PREFIX)
+    }
+    return result, metrics
+
+
+def _log_and_register(final, cfg: RaylaneConfig, metrics: dict[str, float]):
+    """Log the final model (torch.export) into the active run, register it, and move the
+    champion alias if it is better: (model URI, version, promoted, what happened)."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from raylane.console import long_step
+    from raylane.data.parquet import read_rows
+    from raylane.tracking.registry import register_if_better
+    from raylane.tracking.runs import log_trained_model
+
+    tracking = cfg.tracking
+    log.info("logging and registering the model as %s", tracking.registered_model)
+    with long_step("logging the model (torch.export) and registering it"):
+        model_info = log_trained_model(
+            final, cfg, read_rows(cfg.data.validation_path, cfg, limit=5)[0]
+        )
+    decision = register_if_better(
+        MlflowClient(),
+        tracking.registered_model,
+        model_info.registered_model_version,
+        float(metrics[tracking.champion_metric]),
+        tracking.champion_alias,
+        tracking.champion_metric,
+    )
+    promotion = decision.describe(tracking.registered_model, tracking.champion_alias)
+    mlflow.set_tag("raylane.promotion", promotion)
+    log.info(promotion)
+    return model_info.model_uri, decision.version, decision.promoted, promotion
