@@ -256,42 +256,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         model.parameters(), training.optimizer, training.lr, training.weight_decay
     )
 
-    start_epoch = 0
-    # After a worker-group failure Ray Train hands back the run's last checkpoint; otherwise
-    # the run may start from an earlier run's checkpoint.
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is None and cfg.training.resume_from is not None:
-        checkpoint = ray.train.Checkpoint(str(cfg.training.resume_from))
-    if checkpoint is not None:
-        with checkpoint.as_directory() as directory:
-            if strategy.sharded_checkpoint:
-                start_epoch = restore_sharded_checkpoint(Path(directory), model, optimizer)
-            else:
-                start_epoch = restore_checkpoint(
-                    Path(directory),
-                    strategy.unwrap_model(model),
-                    optimizer,
-                    strategy.checkpoint_part,
-                )
-
+    start_epoch = _restore(strategy, model, optimizer, cfg)
     placement = _gather_placement(rank)
     check_same_code(placement, loop_config.get("driver_code"))
-    epoch_logger = monitor = None
-    if loop_config.get("run_id"):
-        from raylane.tracking.runs import EpochLogger
-        from raylane.tracking.system_metrics import start_node_monitor
-
-        uri, run_id = loop_config["tracking_uri"], loop_config["run_id"]
-        if rank == 0:
-            epoch_logger = EpochLogger(uri, run_id, cfg.tracking.outage_window_s)
-            epoch_logger.log_placement(placement)
-            epoch_logger.log_code_identity(placement)
-        # The first rank on each Ray node samples it (not "local rank 0": Ray numbers local
-        # ranks per IP, and several nodes can share one).
-        node = ray.get_runtime_context().get_node_id()
-        first_here = min(r["rank"] for r in placement if r["node_id"] == node) == rank
-        interval_s = cfg.tracking.system_metrics_interval_s
-        monitor = start_node_monitor(uri, run_id, interval_s, first_here)
+    epoch_logger, monitor = _start_tracking(loop_config, cfg, rank, placement)
     try:
         _train_epochs(
             strategy, model, optimizer, cfg, start_epoch, rank, epoch_logger, marks, loop_config
@@ -301,13 +269,57 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     finally:
         if monitor is not None:
             monitor.finish()
-        if loop_config.get("run_id"):
-            from raylane.tracking.worker_logs import log_worker_logs
+        _keep_worker_logs(loop_config, rank)
 
-            try:
-                log_worker_logs(loop_config["tracking_uri"], loop_config["run_id"], rank)
-            except Exception as exc:  # noqa: BLE001 - never mask how the loop ended
-                print(f"raylane: worker logs not kept: {exc}", file=sys.stderr)
+
+def _restore(strategy, model, optimizer, cfg: RaylaneConfig) -> int:
+    """The epoch to start from: after a worker-group failure Ray Train hands back the run's
+    last checkpoint; otherwise the run may start from an earlier run's (`resume_from`)."""
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is None and cfg.training.resume_from is not None:
+        checkpoint = ray.train.Checkpoint(str(cfg.training.resume_from))
+    if checkpoint is None:
+        return 0
+    with checkpoint.as_directory() as directory:
+        if strategy.sharded_checkpoint:
+            return restore_sharded_checkpoint(Path(directory), model, optimizer)
+        return restore_checkpoint(
+            Path(directory), strategy.unwrap_model(model), optimizer, strategy.checkpoint_part
+        )
+
+
+def _start_tracking(loop_config: dict[str, Any], cfg: RaylaneConfig, rank: int, placement):
+    """Rank 0's epoch logger (with the placement and code identity) and this node's system
+    metrics monitor when this is its first rank; (None, None) for a run without MLflow."""
+    if not loop_config.get("run_id"):
+        return None, None
+    from raylane.tracking.runs import EpochLogger
+    from raylane.tracking.system_metrics import start_node_monitor
+
+    uri, run_id = loop_config["tracking_uri"], loop_config["run_id"]
+    epoch_logger = None
+    if rank == 0:
+        epoch_logger = EpochLogger(uri, run_id, cfg.tracking.outage_window_s)
+        epoch_logger.log_placement(placement)
+        epoch_logger.log_code_identity(placement)
+    # The first rank on each Ray node samples it (not "local rank 0": Ray numbers local ranks
+    # per IP, and several nodes can share one).
+    node = ray.get_runtime_context().get_node_id()
+    first_here = min(r["rank"] for r in placement if r["node_id"] == node) == rank
+    interval_s = cfg.tracking.system_metrics_interval_s
+    return epoch_logger, start_node_monitor(uri, run_id, interval_s, first_here)
+
+
+def _keep_worker_logs(loop_config: dict[str, Any], rank: int) -> None:
+    """This worker's console output into the run, however the loop ended."""
+    if not loop_config.get("run_id"):
+        return
+    from raylane.tracking.worker_logs import log_worker_logs
+
+    try:
+        log_worker_logs(loop_config["tracking_uri"], loop_config["run_id"], rank)
+    except Exception as exc:  # noqa: BLE001 - never mask how the loop ended
+        print(f"raylane: worker logs not kept: {exc}", file=sys.stderr)
 
 
 def _train_epochs(
