@@ -67,6 +67,7 @@ def test_layout_describes_itself_and_names_impossible_degrees():
                     "parallelism.dp=2", "parallelism.tp=2")  # fmt: skip
     assert three_d.describe() == "dp 2 x pp 2 x tp 2 (8 workers): gradients all-reduced"
     assert _dims(LM).describe() == "pp 2 (2 workers)"
+    assert _dims(REFERENCE, "parallelism.workers=1").describe() == "1 worker"
     ssp = _dims(REFERENCE, "parallelism.strategy=ssp")
     assert ssp.describe() == "dp 2 (2 workers): parameter server on 2 shards, staleness at most 2"
     assert ssp.as_params() == {

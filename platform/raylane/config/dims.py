@@ -146,7 +146,7 @@ class ParallelDims:
         if self.tp > 1:
             parts.append(f"tp {self.tp}")
         workers = self.world_size
-        line = f"{' x '.join(parts) or 'one'} ({workers} worker{'s' if workers > 1 else ''})"
+        line = f"{' x '.join(parts)} ({workers} workers)" if parts else "1 worker"
         return f"{line}: {self.sync.describe()}" if self.dp > 1 else line
 
     def as_params(self) -> dict[str, str]:
