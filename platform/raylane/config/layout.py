@@ -54,7 +54,7 @@ def describe_stages(cfg: RaylaneConfig) -> list[str]:
 
 
 def _describe_sharded(cfg: RaylaneConfig) -> str:
-    par, dp = cfg.parallelism, ParallelDims.from_parallelism(cfg.parallelism).dp
+    par, dp = cfg.parallelism, replicas(cfg)
     parts = []
     if par.tp > 1:
         parts.append(

@@ -69,7 +69,7 @@ class DataConfig(StrictModel):
         "Ray's object store as two arrays and every worker takes its rows of each global batch "
         "(no Ray Data actors to start: seconds less per job). 'ray_data': Ray Data streams "
         "them (sharded across data-parallel workers), for data of any size. 'auto': memory "
-        "when cache is on and both splits are at most 64 MB on disk.",
+        "when cache is on and the two splits together are at most 64 MB on disk.",
     )
 
     @model_validator(mode="after")

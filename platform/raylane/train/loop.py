@@ -92,9 +92,8 @@ def _my_batches(strategy, shard, cfg: RaylaneConfig, shuffle_seed: int | None) -
     # the last, partial global batch is dropped.
     drop_last = not strategy.splits_dataset
     if isinstance(shard, MemorySplit):
-        part, parts = (dist.get_rank(), dist.get_world_size())
-        if not strategy.splits_dataset:
-            part, parts = 0, 1
+        splits = strategy.splits_dataset
+        part, parts = (dist.get_rank(), dist.get_world_size()) if splits else (0, 1)
         batches = memory_batches(
             *shard.arrays(),
             batch_size=rows * strategy.data_world,
