@@ -1,12 +1,16 @@
 """The core proof: every model-splitting layout (pipeline, hybrid, tensor parallel, FSDP,
 FSDP x tensor parallel, and 3D dp x pp x tp) is the same computation as single-process
-training. Same seed, same batches: per-step losses within a relative 1e-4, final parameters
-within 1e-4, over 5 optimizer steps. Runs the strategies' own code inside Ray Train workers.
+training, and so are the limits of the relaxed-consistency strategies that must reduce to it
+(DDP; local SGD averaging every step; an asynchronous parameter server with one worker). Same
+seed, same batches: per-step losses within a relative 1e-4, final parameters within 1e-4, over
+5 optimizer steps. Runs the strategies' own code inside Ray Train workers, one worker group per
+world size for all its layouts.
 
 The optimizer is plain SGD: Adam divides each update by the gradient's running magnitude, which
 turns float rounding on parameters whose true gradient is zero (attention key biases) into
 full-size updates, so parameters would differ for reasons that have nothing to do with the
-pipeline."""
+pipeline. The parameter server's shards apply the configured optimizer, so the configs name
+the same SGD (`training.optimizer`, `lr`, no weight decay)."""
 
 from __future__ import annotations
 
@@ -35,6 +39,11 @@ LAYOUTS = {
     "fsdp2": {"strategy": "fsdp", "tp": 1, "dp": 2},
     "fsdp2-tp2": {"strategy": "fsdp", "tp": 2, "dp": 2},
     "3d-dp2-pp2-tp2": {"strategy": "hybrid", "schedule": "1f1b", "pp": 2, "dp": 2, "tp": 2},
+    "ddp2": {"strategy": "ddp", "dp": 2},
+    # Averaging the replicas' parameters after every SGD step is averaging their gradients.
+    "local-sgd-every-step": {"strategy": "local_sgd", "local_sgd_period": 1, "dp": 2},
+    # With one worker nothing is stale: the shards' updates are plain SGD.
+    "async-1-worker": {"strategy": "async", "dp": 1},
 }
 
 
@@ -51,6 +60,9 @@ def _config(layout: dict):
             "parallelism.microbatches=4",
             "parallelism.torch_threads=1",
             f"training.batch_size={4 * MICRO_BATCH_ROWS}",
+            "training.optimizer=sgd",
+            f"training.lr={LR}",
+            "training.weight_decay=0",
             "model.input_dim=16",
             "model.d_model=32",
             "model.n_layers=4",
@@ -98,7 +110,8 @@ def _layouts_worker(loop_config):
 
 def _layout_worker(config, batches):
     """One layout on this worker: its strategy's part of the model; dp replica r trains on
-    rows [r*B, (r+1)*B)."""
+    rows [r*B, (r+1)*B). Data-parallel strategies' workers are the replicas (the loop's feed
+    hands rank r that slice); the others name their replica (`data_rank`)."""
     import ray.train
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -114,10 +127,11 @@ def _layout_worker(config, batches):
     strategy = get_strategy(cfg, rank)
     model = strategy.wrap_model(build_model(cfg.model))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    replica = dist.get_rank() if strategy.splits_dataset else strategy.data_rank
     rows = cfg.training.batch_size
     losses = []
     for batch in batches:
-        mine = batch[strategy.data_rank * rows : (strategy.data_rank + 1) * rows]
+        mine = batch[replica * rows : (replica + 1) * rows]
         loss = strategy.train_step(model, optimizer, cross_entropy, mine[:, :-1], mine[:, 1:])
         losses.append(None if loss is None else loss.item())
     # Sharded parameters assembled (collective); a pipeline stage's are its own.
@@ -126,7 +140,7 @@ def _layout_worker(config, batches):
     dist.all_gather_object(
         gathered,
         {
-            "dp_rank": strategy.data_rank,
+            "dp_rank": replica,
             "losses": losses if strategy.reports_loss else [],
             # Plain arrays: Ray Train refuses tensors in a training function's return value.
             "state": {k: v.detach().numpy().copy() for k, v in state.items()},
@@ -137,7 +151,7 @@ def _layout_worker(config, batches):
 
 @pytest.fixture(scope="module")
 def layout_records(ray_cluster, tmp_path_factory):
-    """Every layout's worker records, from one worker group per world size (2, 4 and 8)."""
+    """Every layout's worker records, from one worker group per world size (1, 2, 4 and 8)."""
     import sys
 
     from ray import cloudpickle
