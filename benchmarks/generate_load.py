@@ -15,14 +15,16 @@
       bytes, validation bits per byte (`--eval-windows` windows of the config's validation
       split, prepared if missing) and single-stream tokens/s; `int8_bytes_ratio`,
       `int8_bpb_delta` (relative), `int8_speed_ratio`;
-  (e) the stream of (a) with speculative decoding by prompt lookup (`--speculate` tokens
-      proposed per step from the sequence's own text, checked in one forward) against plain
-      KV-cache decoding: greedy tokens identical; `spec_speedup`, `spec_acceptance`.
+  (e) the stream of (a) with speculative decoding (`--speculate` tokens proposed per step,
+      checked in one forward) against plain KV-cache decoding, greedy tokens identical: the
+      proposals from the draft model of `--draft-config` (`spec_speedup`, `spec_acceptance`)
+      and from prompt lookup in the sequence's own text (`lookup_speedup`,
+      `lookup_acceptance`).
 
 Weights: the config's registered model (its champion, or `--set serving.model_version=N`)
 when the MLflow store has one, else the config's architecture freshly initialised (timing
-does not depend on the weights; the script says which it used). Medians over `--repeat`.
-A draft model for speculative decoding is not built yet: its keys are absent from the JSON.
+does not depend on the weights; the script says which it used); the same for the draft
+(whose acceptance does depend on its weights: train it first). Medians over `--repeat`.
 
     python benchmarks/generate_load.py [--config configs/train/lm_serve.yaml] [--repeat 3]
 """
@@ -77,9 +79,11 @@ def single_stream(model, new_tokens: int) -> dict:
     return {"nocache_s": nocache_s, "kv_s": kv_s, "same": plain == cached, "tokens": cached}
 
 
-def speculative_stream(model, new_tokens: int, speculate: int, expected: list[int]) -> dict:
+def speculative_stream(
+    model, new_tokens: int, speculate: int, expected: list[int], draft=None
+) -> dict:
     greedy = SamplingParams(max_tokens=new_tokens, temperature=0)
-    engine = GenerationEngine(model, max_num_seqs=1, speculate=speculate)
+    engine = GenerationEngine(model, max_num_seqs=1, speculate=speculate, draft=draft)
     started = time.perf_counter()
     tokens = engine.generate(list(PROMPT), greedy).output
     return {
@@ -192,6 +196,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=20.0)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--speculate", type=int, default=4)
+    parser.add_argument("--draft-config", default=str(ROOT / "configs" / "train" / "lm_draft.yaml"))
     parser.add_argument("--eval-windows", type=int, default=256)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -199,18 +204,23 @@ def main() -> None:
     model, source = load_weights(cfg)
     context = cfg.model.input_dim
     new_tokens = min(args.new_tokens, context - len(PROMPT))
+    draft, draft_source = load_weights(load_config(args.draft_config))
     print(f"weights: {source}; context {context}, {new_tokens} new tokens", flush=True)
+    print(f"draft: {draft_source}", flush=True)
 
-    single, hf, spec = [], [], []
+    single, hf, spec, lookup = [], [], [], []
     for index in range(args.repeat):
         single.append(single_stream(model, new_tokens))
-        hf.append(hf_stream(model, new_tokens, single[-1]["tokens"]))
-        spec.append(speculative_stream(model, new_tokens, args.speculate, single[-1]["tokens"]))
+        expected = single[-1]["tokens"]
+        hf.append(hf_stream(model, new_tokens, expected))
+        spec.append(speculative_stream(model, new_tokens, args.speculate, expected, draft))
+        lookup.append(speculative_stream(model, new_tokens, args.speculate, expected))
         print(
             f"run {index + 1}: no cache {single[-1]['nocache_s']:.2f} s, KV cache "
             f"{single[-1]['kv_s']:.2f} s, transformers generate {hf[-1]['hf_s']:.2f} s, "
-            f"prompt lookup {spec[-1]['spec_s']:.2f} s (accepted "
-            f"{spec[-1]['acceptance']:.0%}, {spec[-1]['forwards']} forwards)",
+            f"draft {spec[-1]['spec_s']:.2f} s (accepted {spec[-1]['acceptance']:.0%}, "
+            f"{spec[-1]['forwards']} forwards), prompt lookup {lookup[-1]['spec_s']:.2f} s "
+            f"(accepted {lookup[-1]['acceptance']:.0%}, {lookup[-1]['forwards']} forwards)",
             flush=True,
         )
     int8 = [int8_comparison(cfg, model, new_tokens, args.eval_windows) for _ in range(args.repeat)]
@@ -252,8 +262,10 @@ def main() -> None:
         "fp32_bpb": round(med(int8, "fp32_bpb"), 4),
         "spec_speedup": round(med(single, "kv_s") / med(spec, "spec_s"), 2),
         "spec_acceptance": round(med(spec, "acceptance"), 3),
-        "spec_draft": "prompt lookup",
-        "greedy_identical": all(r["same"] for r in single + hf + spec),
+        "spec_draft": draft_source,
+        "lookup_speedup": round(med(single, "kv_s") / med(lookup, "spec_s"), 2),
+        "lookup_acceptance": round(med(lookup, "acceptance"), 3),
+        "greedy_identical": all(r["same"] for r in single + hf + spec + lookup),
         "continuous_vs_static": round(med(cont, "tokens_per_s") / med(static, "tokens_per_s"), 2),
         "ttft_p99_ratio": round(med(cont, "ttft_p99_s") / med(static, "ttft_p99_s"), 2),
         "static": {k: round(med(static, k), 3) for k in static[0]},

@@ -316,7 +316,7 @@ def generate(
     from pydantic import ValidationError
 
     from raylane.generation.engine import GenerationEngine
-    from raylane.generation.loader import load_language_model
+    from raylane.generation.loader import load_draft_model, load_language_model
     from raylane.generation.sampling import SamplingParams
     from raylane.serving.app import resolve_served_version
     from raylane.serving.openai_protocol import TextStream, first_error
@@ -333,7 +333,11 @@ def generate(
         tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
         served = resolve_served_version(cfg, tracking_uri)
         model, card = load_language_model(tracking_uri, cfg.tracking.registered_model, served)
-        engine = GenerationEngine(model, max_num_seqs=1)
+        generation = cfg.serving.generation
+        draft = None
+        if generation.draft_model is not None:
+            draft, _ = load_draft_model(tracking_uri, generation.draft_model)
+        engine = GenerationEngine(model, 1, speculate=generation.speculate, draft=draft)
         sequence = engine.add(list(prompt.encode()), params)
     console.print(f"{card.registered_model} v{card.version}, {card.parameters:,} parameters",
                   highlight=False)  # fmt: skip
@@ -346,6 +350,8 @@ def generate(
             out.flush()
     out.write("\n")
     finish = f"finish: {sequence.finish_reason}, {len(sequence.output)} bytes"
+    if engine.acceptance_rate is not None:
+        finish += f", {engine.acceptance_rate:.0%} of proposed tokens accepted"
     console.print(finish, highlight=False)
 
 

@@ -1,6 +1,9 @@
 """Text generation on Ray Serve over real HTTP, with the `openai` client users call it with:
 the session's registered pipeline LM (no training here) deployed with `serving.api:
-generate`, KV-cache decoding under continuous batching in the replica."""
+generate`, KV-cache decoding under continuous batching in the replica, speculative: the replica
+loads a draft model from the registry (the served version itself, so every greedy proposal is
+the model's own next token and must be accepted), and every greedy answer below must still
+equal the model's own cache-free decoding. The plain path is the README's generation blocks."""
 
 from __future__ import annotations
 
@@ -23,12 +26,14 @@ pytestmark = pytest.mark.integration
 
 PROMPT = "def __init__(self"
 MAX_NUM_SEQS = 4
+SPECULATE = 3
 
 
 @pytest.fixture(scope="module")
 def generator(pipeline_run, workspace):
     from raylane.serving.app import deploy, shutdown_serve
 
+    registered = pipeline_run[0].tracking.registered_model
     cfg = load_config(
         ROOT / "configs" / "train" / "lm_pipeline.yaml",
         lm_overrides(
@@ -39,6 +44,8 @@ def generator(pipeline_run, workspace):
             f"serving.generation.max_num_seqs={MAX_NUM_SEQS}",
             "serving.max_ongoing_requests=32",
             "serving.autoscaling.max_replicas=1",
+            f"serving.generation.speculate={SPECULATE}",
+            f"serving.generation.draft_model=models:/{registered}@champion",
         ),
     )
     url, version = deploy(cfg)
@@ -184,11 +191,18 @@ def test_status_shows_the_version_and_generation_settings_served(generator):
     report = collect_status(cfg)  # once: as `raylane status` does, one event loop per process
     (row,) = [r for r in report.rows if r.deployment == "generator"]
     assert row.versions == {version}
-    assert row.settings == {f"generate: {MAX_NUM_SEQS} slots"}
+    served = f"{cfg.tracking.registered_model} v{version}"
+    settings = f"generate: {MAX_NUM_SEQS} slots, draft {served} proposing {SPECULATE}"
+    assert row.settings == {settings}
     import io
 
     from rich.console import Console
 
     console = Console(file=io.StringIO(), width=200)
     console.print(render_status(report))
-    assert f"v{version} (generate: {MAX_NUM_SEQS} slots)" in console.file.getvalue()
+    assert f"v{version} ({settings})" in console.file.getvalue()
+    stats = _stats(generator[0])
+    # The draft is the served model: its proposals are what the model decodes (sampled ones
+    # too, up to float rounding between the two caches' batches).
+    assert stats["draft_model"] == served and stats["speculate"] == SPECULATE
+    assert stats["acceptance_rate"] > 0.99, stats

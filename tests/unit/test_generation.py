@@ -221,6 +221,83 @@ def test_a_verified_proposal_leaves_the_sampling_distribution_unchanged():
     assert torch.allclose(frequencies, probabilities(logits, params), atol=0.015), frequencies
 
 
+def test_a_draft_model_keeps_greedy_output_and_a_perfect_draft_is_always_accepted(model):
+    import copy
+
+    greedy = SamplingParams(max_tokens=30, temperature=0)
+    prompts = [_prompt(seed, 7) for seed in (21, 22, 23)]
+    plain = [generate_without_cache(model, p, greedy).output for p in prompts]
+    torch.manual_seed(5)
+    small = GPT(256, CONTEXT, 16, 2, 1).eval()  # another model: most proposals rejected
+    for draft, k in ((small, 3), (copy.deepcopy(model), 4)):
+        engine = GenerationEngine(model, max_num_seqs=2, speculate=k, draft=draft)
+        sequences = [engine.add(p, greedy) for p in prompts]  # the third waits for a slot
+        while engine.busy:
+            engine.step()
+        assert [s.output for s in sequences] == plain, k
+        assert engine.proposed > 0
+    # The model's own copy proposes exactly what it would decode: every proposal accepted
+    # (and the draft catches up on its last, unread proposal each step).
+    assert engine.acceptance_rate == 1.0
+    assert engine.forwards <= 3 + 3 * 30 // (k + 1) + 3
+
+
+def test_a_draft_sampled_request_repeats_with_its_seed(model):
+    torch.manual_seed(6)
+    draft = GPT(256, CONTEXT, 16, 2, 1).eval()
+    params = SamplingParams(max_tokens=20, temperature=0.9, top_k=40, seed=3)
+    runs = [
+        GenerationEngine(model, 1, speculate=3, draft=draft).generate(_prompt(4, 5), params).output
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1] and len(runs[0]) == 20
+
+
+def test_a_drafted_token_verified_against_its_draft_distribution_keeps_the_target_distribution():
+    from raylane.generation.sampling import probabilities, verify
+
+    logits = torch.log(torch.tensor([0.1, 0.6, 0.3]))
+    draft = torch.tensor([0.5, 0.2, 0.3])  # far from the target: many corrections
+    params = SamplingParams(temperature=1.0)
+    generator = torch.Generator().manual_seed(0)
+    draws = []
+    for _ in range(20_000):
+        proposed = int(torch.multinomial(draft, 1, generator=generator))
+        draws.append(verify(logits, proposed, params, generator, draft)[1])
+    frequencies = torch.bincount(torch.tensor(draws), minlength=3) / len(draws)
+    assert torch.allclose(frequencies, probabilities(logits, params), atol=0.015), frequencies
+
+
+@pytest.mark.parametrize(
+    ("draft", "speculate", "message"),
+    [
+        (GPT(256, CONTEXT, 16, 2, 1), 0, "needs speculate >= 1"),
+        (GPT(128, CONTEXT, 16, 2, 1), 2, "vocabulary is 128 tokens, the model's 256"),
+        (GPT(256, CONTEXT // 2, 16, 2, 1), 2, r"context \(24 tokens\) is shorter"),
+    ],
+)
+def test_a_draft_that_cannot_propose_is_refused_with_the_reason(model, draft, speculate, message):
+    with pytest.raises(ValueError, match=message):
+        GenerationEngine(model, 1, speculate=speculate, draft=draft)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"draft_model": "models:/raylane-lm-draft/1"}, "draft_model needs speculate >= 1"),
+        ({"draft_model": "raylane-lm-draft", "speculate": 4}, "not models:/NAME/VERSION"),
+        ({"draft_model": "models:/raylane-lm-draft/0", "speculate": 4}, "not models:/NAME"),
+    ],
+)
+def test_a_draft_model_setting_is_checked(fields, message):
+    from raylane.config.schema import GenerationConfig
+
+    with pytest.raises(ValidationError, match=message):
+        GenerationConfig(**fields)
+    good = GenerationConfig(draft_model="models:/raylane-lm-draft@champion", speculate=4)
+    assert good.draft_model == "models:/raylane-lm-draft@champion"
+
+
 def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_goes_on(model):
     import asyncio
 

@@ -12,6 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from raylane.config.model_uri import parse_model_uri
+
 DIGITS_FEATURES = 64
 DIGITS_CLASSES = 10
 
@@ -361,10 +363,32 @@ class GenerationConfig(StrictModel):
         0,
         ge=0,
         le=16,
-        description="Speculative decoding by prompt lookup: tokens each sequence proposes per "
-        "step from its own earlier text, checked in one forward (0: off). Greedy output is "
-        "unchanged; sampled output keeps its distribution.",
+        description="Speculative decoding: tokens each sequence proposes per step, checked in "
+        "one forward (0: off); by prompt lookup (from its own earlier text) unless "
+        "`draft_model` names a draft. Greedy output is unchanged; sampled output keeps its "
+        "distribution.",
     )
+    draft_model: str | None = Field(
+        None,
+        description="A registered draft that proposes the `speculate` tokens instead of prompt "
+        "lookup: `models:/NAME/VERSION` or `models:/NAME@ALIAS`, a smaller gpt over the same "
+        "bytes with at least the served model's context, in the same MLflow store.",
+    )
+
+    @field_validator("draft_model")
+    @classmethod
+    def _model_uri(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_model_uri(value)  # ValueError naming the form
+        return value
+
+    @model_validator(mode="after")
+    def _draft_proposes(self) -> GenerationConfig:
+        if self.draft_model is not None and self.speculate < 1:
+            raise ValueError(
+                "draft_model needs speculate >= 1 (the tokens the draft proposes per step)"
+            )
+        return self
 
 
 class ServingConfig(StrictModel):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from raylane.generation.sampling import SamplingParams, sample, verify
+from raylane.generation.sampling import SamplingParams, probabilities, sample, verify
 from raylane.models.kv_cache import KVCache
 
 
@@ -88,14 +88,23 @@ class Event:
 class GenerationEngine:
     """A whole `raylane.models.gpt.GPT` in eval mode with `max_num_seqs` cache slots.
 
-    With `speculate=k`, each decode step is speculative (prompt lookup, no draft model): every
-    running sequence proposes the k tokens that followed the last occurrence of its latest
-    n-gram in its own prompt and output, the model checks them all in one forward, and the
-    longest accepted run plus one token of the model's own is kept (`verify`): greedy output
-    is the plain output, sampled output keeps its distribution.
+    With `speculate=k`, each decode step is speculative: every running sequence proposes k
+    tokens, the model checks them all in one forward, and the longest accepted run plus one
+    token of the model's own is kept (`verify`): greedy output is the plain output, sampled
+    output keeps its distribution. The proposals come from a `draft` model when one is given
+    (a smaller GPT over the same bytes, with its own cache slots: k batched draft forwards per
+    step, each token drawn from the draft's distribution under the request's sampling), else
+    from prompt lookup (the k tokens that followed the last occurrence of the sequence's latest
+    n-gram in its own prompt and output).
     """
 
-    def __init__(self, model: torch.nn.Module, max_num_seqs: int, speculate: int = 0):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        max_num_seqs: int,
+        speculate: int = 0,
+        draft: torch.nn.Module | None = None,
+    ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, not {max_num_seqs}")
         if speculate < 0:
@@ -105,6 +114,11 @@ class GenerationEngine:
         self.model = model.eval()
         self.context = model.pos_emb.num_embeddings
         self.cache = KVCache.for_model(model, max_num_seqs)
+        self.draft = self.draft_cache = None
+        if draft is not None:
+            _check_draft(model, draft, speculate)
+            self.draft = draft.eval()
+            self.draft_cache = KVCache.for_model(draft, max_num_seqs, max_len=self.context)
         self.free = list(range(max_num_seqs - 1, -1, -1))
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
@@ -175,9 +189,12 @@ class GenerationEngine:
             sequence.slot = self.free.pop()
             self.cache.reset(sequence.slot)
             self.running[sequence.id] = sequence
-            prompt = torch.tensor([sequence.prompt])
-            logits = self.model.extend(prompt, self.cache, torch.tensor([sequence.slot]))
+            prompt, slot = torch.tensor([sequence.prompt]), torch.tensor([sequence.slot])
+            logits = self.model.extend(prompt, self.cache, slot)
             self.forwards += 1
+            if self.draft is not None:  # the draft reads the prompt too
+                self.draft_cache.reset(sequence.slot)
+                self.draft.extend(prompt, self.draft_cache, slot)
             events.append(self._advance(sequence, logits[0, -1]))
         return events
 
@@ -194,17 +211,25 @@ class GenerationEngine:
         slots = torch.tensor([s.slot for s in decoding])
         starts = self.cache.lengths[slots].tolist()
         k = min(self.speculate, self.cache.max_len - max(starts) - 1)  # room left in context
-        proposals = [propose_ngram(s.prompt + s.output, k) for s in decoding]
+        if self.draft is not None:
+            proposals, drafted = self._draft_proposals(decoding, slots, k)
+        else:
+            proposals = [propose_ngram(s.prompt + s.output, k) for s in decoding]
+            drafted = [[None] * len(p) for p in proposals]  # proposed for certain
         rows = [[s.output[-1], *p, *[s.output[-1]] * (k - len(p))]
                 for s, p in zip(decoding, proposals, strict=True)]  # fmt: skip
         logits = self.model.extend(torch.tensor(rows), self.cache, slots)
         self.forwards += 1
         events = []
-        for row, sequence, proposal, start in zip(logits, decoding, proposals, starts, strict=True):
+        for row, sequence, proposal, draws, start in zip(
+            logits, decoding, proposals, drafted, starts, strict=True
+        ):
             accepted = 0
             for i in range(len(proposal) + 1):
                 if i < len(proposal):
-                    ok, token = verify(row[i], proposal[i], sequence.params, sequence.generator)
+                    ok, token = verify(
+                        row[i], proposal[i], sequence.params, sequence.generator, draws[i]
+                    )
                 else:  # past the proposals: the model's own next token
                     ok, token = False, sample(row[i], sequence.params, sequence.generator)
                 accepted += ok
@@ -220,12 +245,45 @@ class GenerationEngine:
                 self._free(sequence)
             else:  # keep the last token and the accepted proposals; drop the rest
                 self.cache.truncate(sequence.slot, start + 1 + accepted)
+                if self.draft is not None:  # it never read its last proposal: may lag by one
+                    held = int(self.draft_cache.lengths[sequence.slot])
+                    self.draft_cache.truncate(sequence.slot, min(held, start + 1 + accepted))
             events.append(Event(sequence, sequence.release(), sequence.finished))
         return events
+
+    def _draft_proposals(self, decoding: list[Sequence], slots: torch.Tensor, k: int):
+        """k tokens per sequence from the draft model (k batched forwards) and, for sampled
+        requests, the draft distribution each was drawn from (None for greedy ones)."""
+        for sequence in decoding:  # tokens the draft has not read yet, but the last one
+            known = sequence.prompt + sequence.output
+            missing = known[int(self.draft_cache.lengths[sequence.slot]) : -1]
+            if missing:
+                self.draft.extend(
+                    torch.tensor([missing]), self.draft_cache, torch.tensor([sequence.slot])
+                )
+        proposals: list[list[int]] = [[] for _ in decoding]
+        drafted: list[list[torch.Tensor | None]] = [[] for _ in decoding]
+        last = torch.tensor([[s.output[-1]] for s in decoding])
+        for _ in range(k):
+            logits = self.draft.extend(last, self.draft_cache, slots)[:, -1]
+            for sequence, row, mine, draws in zip(
+                decoding, logits, proposals, drafted, strict=True
+            ):
+                if sequence.params.greedy:
+                    mine.append(int(row.argmax()))
+                    draws.append(None)
+                else:
+                    q = probabilities(row, sequence.params)
+                    mine.append(int(torch.multinomial(q, 1, generator=sequence.generator)))
+                    draws.append(q)
+            last = torch.tensor([[mine[-1]] for mine in proposals])
+        return proposals, drafted
 
     def _free(self, sequence: Sequence) -> None:
         self.running.pop(sequence.id, None)
         self.cache.reset(sequence.slot)
+        if self.draft_cache is not None:
+            self.draft_cache.reset(sequence.slot)
         self.free.append(sequence.slot)
         sequence.slot = None
 
@@ -235,6 +293,21 @@ class GenerationEngine:
         while not sequence.finished:
             self.step()
         return sequence
+
+
+def _check_draft(model: torch.nn.Module, draft: torch.nn.Module, speculate: int) -> None:
+    """Raise ValueError unless `draft` can propose tokens for `model`: speculation on, the same
+    vocabulary, and a context at least as long."""
+    if speculate < 1:
+        raise ValueError("a draft model needs speculate >= 1 (the tokens it proposes per step)")
+    vocab, draft_vocab = model.tok_emb.num_embeddings, draft.tok_emb.num_embeddings
+    if vocab != draft_vocab:
+        raise ValueError(f"the draft's vocabulary is {draft_vocab} tokens, the model's {vocab}")
+    context, draft_context = model.pos_emb.num_embeddings, draft.pos_emb.num_embeddings
+    if draft_context < context:
+        raise ValueError(
+            f"the draft's context ({draft_context} tokens) is shorter than the model's ({context})"
+        )
 
 
 def propose_ngram(tokens: list[int], k: int, longest: int = 3) -> list[int]:

@@ -20,11 +20,14 @@ class LanguageModelCard:
     parameters: int
 
 
-def load_language_model(tracking_uri: str, registered_model: str, version: int):
-    """`(GPT in eval mode, LanguageModelCard)` for registry `version`.
+def load_language_model(
+    tracking_uri: str, registered_model: str, version: int | None, alias: str = ""
+):
+    """`(GPT in eval mode, LanguageModelCard)` for registry `version` (or, when it is None,
+    the version holding `alias`).
 
     Raises:
-        ModelNotFoundError: no such version.
+        ModelNotFoundError: no such version or alias.
         ValueError: the version is not a GPT (generation needs one).
     """
     import mlflow
@@ -36,7 +39,7 @@ def load_language_model(tracking_uri: str, registered_model: str, version: int):
     from raylane.tracking.runs import CONFIG_ARTIFACT
 
     client = MlflowClient(tracking_uri=tracking_uri)
-    found = resolve_version(client, tracking_uri, registered_model, "", version)
+    found = resolve_version(client, tracking_uri, registered_model, alias, version)
     cfg = load_config(Path(client.download_artifacts(found.run_id, CONFIG_ARTIFACT)))
     if cfg.model.kind != "gpt":
         raise ValueError(
@@ -57,3 +60,17 @@ def load_language_model(tracking_uri: str, registered_model: str, version: int):
         sum(p.numel() for p in model.parameters()),
     )
     return model.eval(), card
+
+
+def load_draft_model(tracking_uri: str, uri: str):
+    """`(GPT, LanguageModelCard)` of a draft named `models:/NAME/VERSION` or
+    `models:/NAME@ALIAS` (`serving.generation.draft_model`).
+
+    Raises:
+        ModelNotFoundError: no such version or alias.
+        ValueError: not a model URI, or not a GPT.
+    """
+    from raylane.config.model_uri import parse_model_uri
+
+    ref = parse_model_uri(uri)
+    return load_language_model(tracking_uri, ref.name, ref.version, ref.alias)

@@ -73,20 +73,29 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator=None) -> int:
     return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))
 
 
-def verify(logits: torch.Tensor, proposed: int, params: SamplingParams, generator=None):
+def verify(
+    logits: torch.Tensor,
+    proposed: int,
+    params: SamplingParams,
+    generator=None,
+    draft: torch.Tensor | None = None,
+):
     """Speculative decoding's check of one proposed token against the target's logits:
-    `(accepted, token)`. Greedy: accepted when it is the argmax, else the argmax. Sampled, with
-    a draft that proposes one token for certain (prompt lookup): accepted with probability
-    p(proposed), else a token drawn from p without it, renormalised; the tokens so chosen are
-    distributed as `sample` would draw them (Leviathan et al. 2023, Chen et al. 2023)."""
+    `(accepted, token)`. Greedy: accepted when it is the argmax, else the argmax. Sampled:
+    `draft` is the distribution q the proposal was drawn from (None: proposed for certain, as
+    by prompt lookup); accepted with probability min(1, p/q) at the proposed token, else a
+    token drawn from max(p - q, 0) renormalised. The tokens so chosen are distributed as
+    `sample` would draw them (Leviathan et al. 2023, Chen et al. 2023)."""
     if params.greedy:
         best = int(logits.argmax())
         return best == proposed, best
     p = probabilities(logits, params)
-    if float(torch.rand((), generator=generator)) < float(p[proposed]):
+    q = torch.zeros_like(p) if draft is None else draft.float()
+    if draft is None:
+        q[proposed] = 1.0
+    if float(torch.rand((), generator=generator)) * float(q[proposed]) < float(p[proposed]):
         return True, proposed
-    rest = p.clone()
-    rest[proposed] = 0.0
-    if float(rest.sum()) <= 0.0:  # p was all on the proposed token
+    rest = (p - q).clamp(min=0.0)
+    if float(rest.sum()) <= 0.0:  # p is q: nothing to correct
         return True, proposed
     return False, int(torch.multinomial(rest / rest.sum(), 1, generator=generator))

@@ -38,7 +38,7 @@ def build_app(cfg: RaylaneConfig, tracking_uri: str, version: int, api_key: str 
         generation = serving.generation
         args = (
             *common, generation.max_num_seqs, generation.default_max_tokens,
-            generation.speculate, serving.quantization, *guard,
+            generation.speculate, serving.quantization, *guard, generation.draft_model,
         )  # fmt: skip
     else:
         deployment, target = InferenceServer, serving.max_batch_size
@@ -93,6 +93,24 @@ def resolve_served_version(cfg: RaylaneConfig, tracking_uri: str) -> int:
     return int(found.version)
 
 
+def check_draft_model(cfg: RaylaneConfig, tracking_uri: str) -> None:
+    """The registry holds `serving.generation.draft_model` (when one is named).
+
+    Raises:
+        ModelNotFoundError: naming the draft's version or alias and the store.
+    """
+    if cfg.serving.generation.draft_model is None:
+        return
+    from mlflow.tracking import MlflowClient
+
+    from raylane.config.model_uri import parse_model_uri
+    from raylane.inference import resolve_version
+
+    ref = parse_model_uri(cfg.serving.generation.draft_model)
+    client = MlflowClient(tracking_uri=tracking_uri)
+    resolve_version(client, tracking_uri, ref.name, ref.alias, ref.version)
+
+
 def app_builder(args: dict[str, Any]):
     """Serve application builder for `serve run` / `serve deploy` config files.
 
@@ -104,6 +122,7 @@ def app_builder(args: dict[str, Any]):
     cfg = load_config(args.get("config", DEFAULT_CONFIG), list(args.get("overrides", [])))
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     version = resolve_served_version(cfg, tracking_uri)
+    check_draft_model(cfg, tracking_uri)
     return build_app(cfg, tracking_uri, version, load_api_key_for(cfg))
 
 
@@ -141,8 +160,8 @@ def deploy(cfg: RaylaneConfig) -> tuple[str, int]:
     Returns the endpoint URL and the version deployed.
 
     Raises:
-        ModelNotFoundError: the pinned version or the champion alias does not exist (checked
-            before anything is deployed).
+        ModelNotFoundError: the pinned version, the champion alias or the draft model does
+            not exist (checked before anything is deployed).
         ApiKeyError: `serving.api_key_file` is set but unreadable or empty.
     """
     from ray import serve
@@ -152,6 +171,7 @@ def deploy(cfg: RaylaneConfig) -> tuple[str, int]:
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     check_tracking_reachable(tracking_uri)
     version = resolve_served_version(cfg, tracking_uri)
+    check_draft_model(cfg, tracking_uri)
     api_key = load_api_key_for(cfg)
     app = build_app(cfg, tracking_uri, version, api_key)
     serve.start(http_options={"host": cfg.serving.host, "port": cfg.serving.port})

@@ -70,11 +70,12 @@ class GenerationServer:
         api_key_digest: str | None = None,
         max_body_bytes: int = 4 * 1024 * 1024,
         torch_threads: int = 1,
+        draft_model: str | None = None,
     ):
         import torch
 
         from raylane.generation.engine import GenerationEngine
-        from raylane.generation.loader import load_language_model
+        from raylane.generation.loader import load_draft_model, load_language_model
         from raylane.serving.generation_loop import GenerationLoop
         from raylane.serving.metrics import GenerationMetrics
 
@@ -91,7 +92,10 @@ class GenerationServer:
             quantize_int8(model)
         self.max_num_seqs = max_num_seqs
         metrics = GenerationMetrics(model_name, self.card.version)
-        engine = GenerationEngine(model, max_num_seqs, speculate=speculate)
+        draft, self.draft_card = None, None
+        if draft_model is not None:
+            draft, self.draft_card = load_draft_model(tracking_uri, draft_model)
+        engine = GenerationEngine(model, max_num_seqs, speculate=speculate, draft=draft)
         self.loop = GenerationLoop(engine, metrics)
 
     # OpenAI-compatible routes.
@@ -197,6 +201,7 @@ class GenerationServer:
                     "generated_tokens": engine.tokens_generated,
                     "forwards": engine.forwards,
                     "speculate": engine.speculate,
+                    "draft_model": self._draft_name(),
                     "quantization": self.quantization,
                     "acceptance_rate": engine.acceptance_rate,
                 }
@@ -206,11 +211,18 @@ class GenerationServer:
     def statistics(self) -> dict:
         """The version and generation settings this replica serves (`raylane status`)."""
         settings = f"generate: {self.max_num_seqs} slots"
-        if self.loop.engine.speculate:
-            settings += f", prompt lookup {self.loop.engine.speculate}"
+        speculate = self.loop.engine.speculate
+        if speculate and self.draft_card is not None:
+            settings += f", draft {self._draft_name()} proposing {speculate}"
+        elif speculate:
+            settings += f", prompt lookup {speculate}"
         if self.quantization != "none":
             settings += f", {self.quantization} weights"
         return {"version": self.card.version, "settings": settings}
+
+    def _draft_name(self) -> str | None:
+        card = self.draft_card
+        return None if card is None else f"{card.registered_model} v{card.version}"
 
     # The shared path.
 
