@@ -1,0 +1,138 @@
+"""`raylane tune`, `plan` and `profile`: choosing a layout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from raylane.cli.common import (
+    DEFAULT_CONFIG,
+    ConfigOption,
+    SetOption,
+    VerboseOption,
+    app,
+    console,
+    fail,
+    load,
+    on_ray,
+    setup_logging,
+    user_mistakes,
+)
+
+
+@app.command()
+def tune(
+    config: Annotated[
+        Path, typer.Option("--config", "-c", help="Search spec YAML (see configs/tune/).")
+    ] = Path("configs/tune/parallelism.yaml"),
+    overrides: SetOption = None,
+    verbose: VerboseOption = False,
+) -> None:
+    """Search parallelism layouts with Ray Tune on measured throughput; emit the best config.
+
+    Example: raylane tune --config configs/tune/parallelism.yaml --set trial.epochs=3
+    """
+    setup_logging(verbose)
+    from raylane.tune.planner import plan
+    from raylane.tune.spec import load_spec
+
+    with user_mistakes():
+        spec = load_spec(config, overrides or [])
+    with on_ray():
+        result = plan(spec, console)
+    if result.best_config is None:
+        raise typer.Exit(1)
+
+
+@app.command("plan")
+def plan_layouts(
+    model: Annotated[
+        Path, typer.Option("--model", "-m", help="Training config of the (GPT) model to plan.")
+    ],
+    cluster: Annotated[
+        Path, typer.Option("--cluster", help="Cluster spec YAML (see configs/clusters/).")
+    ],
+    global_batch: Annotated[
+        int | None,
+        typer.Option(
+            min=1, help="Sequences per step, all replicas (default: training.batch_size)."
+        ),
+    ] = None,
+    precision: Annotated[
+        str, typer.Option(help="fp32 (what raylane trains with), tf32 or bf16.")
+    ] = "fp32",
+    efficiency: Annotated[
+        float, typer.Option(min=0.01, max=1.0, help="Share of peak FLOP/s matmuls reach.")
+    ] = 0.7,
+    top: Annotated[int, typer.Option(min=1, help="Layouts to show.")] = 5,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Where to write the best layout's config (default: configs/generated/)."),
+    ] = None,
+) -> None:
+    """Predict the best layouts of a model on a cluster that need not exist here (step time,
+    memory per device), from its shape and a hardware catalog; write the winner's config.
+
+    Example: raylane plan --model configs/plan/gpt_1p3b.yaml \\
+    --cluster configs/clusters/a100_4x8.yaml
+    """
+    from raylane.plan.hardware import HardwareError, load_cluster
+    from raylane.plan.report import render, write_config
+    from raylane.plan.search import plan, workload_for
+
+    if precision not in ("fp32", "tf32", "bf16"):
+        raise fail(f"--precision must be fp32, tf32 or bf16, not {precision!r}")
+    cfg = load(model, None)
+    try:
+        hardware = load_cluster(cluster)
+        work = workload_for(cfg, global_batch or cfg.training.batch_size, precision)
+    except (HardwareError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    result = plan(work, hardware, efficiency)
+    if not result.ranked:
+        raise fail(
+            f"no layout of {work.shape.total() / 1e9:.2f} B parameters fits {hardware.devices} "
+            f"x {hardware.spec.accelerator} ({len(result.pruned)} pruned by memory)",
+            code=1,
+        )
+    out_console = Console()
+    render(result, hardware, efficiency, out_console, top)
+    target = out or Path("configs/generated") / f"{cfg.experiment}-plan.yaml"
+    written = write_config(model, result, target)
+    out_console.print(f"config: {written}", highlight=False)
+
+
+@app.command("profile")
+def profile_cluster(
+    config: ConfigOption = DEFAULT_CONFIG,
+    overrides: SetOption = None,
+    refresh: Annotated[
+        bool, typer.Option(help="Measure again even if this model and cluster were profiled.")
+    ] = False,
+    verbose: VerboseOption = False,
+) -> None:
+    """Measure what the config's GPT blocks and the worker group's links cost (a short Ray
+    Train job); log it to MLflow and reuse it while model and cluster are unchanged.
+
+    Example: raylane profile --config configs/train/lm_pipeline.yaml
+    """
+    setup_logging(verbose)
+    from raylane.plan.profile_job import load_or_measure
+    from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
+
+    cfg = load(config, overrides)
+    if cfg.model.kind != "gpt":
+        raise fail(f"model.kind must be 'gpt' to profile its blocks, not '{cfg.model.kind}'")
+    tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
+    with user_mistakes():
+        check_tracking_reachable(tracking_uri)
+    with on_ray():
+        found, run_id, reused = load_or_measure(cfg, tracking_uri, refresh)
+    from raylane.plan.report import render_profile
+
+    out = Console()
+    render_profile(found, reused, out)
+    out.print(f"MLflow run {run_id}", highlight=False)

@@ -1,0 +1,86 @@
+"""`raylane compare` and `reproduce`: what a run recorded, again."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from raylane.cli.common import (
+    TrackingUriOption,
+    VerboseOption,
+    app,
+    console,
+    fail,
+    on_ray,
+    setup_logging,
+)
+
+
+@app.command()
+def compare(
+    run_a: Annotated[str, typer.Argument(help="MLflow run id.")],
+    run_b: Annotated[str, typer.Argument(help="MLflow run id.")],
+    tracking_uri: TrackingUriOption = None,
+) -> None:
+    """What differs between two training runs: code, data, versions, cluster, config keys,
+    final metrics and weights."""
+    from mlflow.tracking import MlflowClient
+
+    from raylane.tracking import resolve_tracking_uri
+    from raylane.tracking.compare import SECTIONS, differences, run_record
+
+    client = MlflowClient(tracking_uri=resolve_tracking_uri(tracking_uri))
+    try:
+        records = [run_record(client, run) for run in (run_a, run_b)]
+    except Exception as exc:  # an unknown run id or an unreachable store
+        raise fail(str(exc).splitlines()[0]) from None
+    found = differences(*records)
+    if not found:
+        console.print(f"runs {run_a} and {run_b} agree in {', '.join(SECTIONS)}", highlight=False)
+        return
+    table = Table(title=f"{len(found)} differences")
+    for name in ("section", "key", run_a[:12], run_b[:12]):
+        table.add_column(name, overflow="fold")
+    for item in found:
+        table.add_row(item.section, item.key, item.a, item.b)
+    console.print(table)
+
+
+@app.command()
+def reproduce(
+    run_id: Annotated[str, typer.Argument(help="MLflow run id of the training run to repeat.")],
+    allow_drift: Annotated[
+        bool, typer.Option(help="Run even when code, data, versions or cluster differ.")
+    ] = False,
+    tracking_uri: TrackingUriOption = None,
+    verbose: VerboseOption = False,
+) -> None:
+    """Re-run a training run from MLflow alone and say whether it came out identical."""
+    setup_logging(verbose)
+    if tracking_uri:
+        import os
+
+        os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
+    from mlflow.tracking import MlflowClient
+
+    from raylane.reproduce import DriftError
+    from raylane.reproduce import reproduce as reproduce_run
+    from raylane.tracking import resolve_tracking_uri
+
+    client = MlflowClient(tracking_uri=resolve_tracking_uri(tracking_uri))
+    try:
+        client.get_run(run_id)
+    except Exception as exc:
+        raise fail(f"run {run_id}: {str(exc).splitlines()[0]}") from None
+    with on_ray(DriftError):
+        result = reproduce_run(client, run_id, allow_drift=allow_drift, show=console.print)
+    console.print(
+        f"{result.verdict}{': ' + result.detail if result.detail else ''} "
+        f"(run {result.run_id} reproduces {run_id})",
+        highlight=False,
+        style="bold green" if result.verdict == "identical" else "bold red",
+    )
+    if result.verdict != "identical":
+        raise typer.Exit(1)
