@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from raylane.config.schema import ParallelismConfig
+    from raylane.config.parallelism import ParallelismConfig
 
 #: Mesh dimensions, outermost first: the workers of one tensor-parallel group are neighbouring
 #: ranks (one node when a node holds a multiple of tp), then the stages, then the replicas.

@@ -1,4 +1,5 @@
-"""The run configuration schema.
+"""The run configuration schema: the top level and the data, model, training and tracking
+sections (`parallelism:` and `serving:` have modules of their own).
 
 Every field carries a description: it is the documentation (README reference, `--help`, JSON
 Schema). Unknown keys are errors, and cross-field checks raise sentences a user understands.
@@ -10,18 +11,20 @@ import math
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from raylane.config.model_uri import parse_model_uri
+from raylane.config.parallelism import ParallelismConfig, StragglerConfig, Strategy
+from raylane.config.serving import AutoscalingConfig, GenerationConfig, ServingConfig
+from raylane.config.strict import StrictModel
+
+__all__ = [
+    "AutoscalingConfig", "DataConfig", "GenerationConfig", "ModelConfig", "ParallelismConfig",
+    "RaylaneConfig", "ServingConfig", "StragglerConfig", "Strategy", "StrictModel",
+    "TrackingConfig", "TrainingConfig",
+]  # fmt: skip
 
 DIGITS_FEATURES = 64
 DIGITS_CLASSES = 10
-
-
-class StrictModel(BaseModel):
-    """Base for every section: unknown keys are errors, assignments are re-validated."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 class DataConfig(StrictModel):
@@ -168,132 +171,6 @@ class TrainingConfig(StrictModel):
     )
 
 
-class StragglerConfig(StrictModel):
-    rank: int | list[int] = Field(
-        ...,
-        description="The worker (world rank) that straggles, or several that take turns "
-        "(staggered within each `every` steps).",
-    )
-    every: int = Field(1, ge=1, description="It sleeps before every `every`-th step.")
-    delay_s: float = Field(..., gt=0, le=60, description="How long it sleeps each time.")
-    first_epoch: int = Field(0, ge=0, description="First epoch it straggles in.")
-    last_epoch: int | None = Field(
-        None, ge=0, description="Last epoch it straggles in (unset: to the end)."
-    )
-
-    @field_validator("rank")
-    @classmethod
-    def _check_ranks(cls, rank: int | list[int]) -> int | list[int]:
-        ranks = rank if isinstance(rank, list) else [rank]
-        if not ranks or min(ranks) < 0 or len(set(ranks)) != len(ranks):
-            raise ValueError("must be a worker rank >= 0, or a list of distinct ones")
-        return rank
-
-    @property
-    def ranks(self) -> list[int]:
-        return self.rank if isinstance(self.rank, list) else [self.rank]
-
-
-Strategy = Literal["ddp", "pipeline", "hybrid", "tp", "fsdp", "local_sgd", "async", "ssp"]
-
-
-class ParallelismConfig(StrictModel):
-    strategy: Strategy = Field(
-        "ddp",
-        description="How the model is parallelised. 'ddp': data parallel "
-        "(DistributedDataParallel, synchronous all-reduce); 'pipeline': the model's blocks "
-        "split into `pp` stages on different workers, micro-batched; 'hybrid': `dp` "
-        "data-parallel replicas of a `pp`-stage pipeline; 'tp': each block's attention heads "
-        "and MLP split over `tp` workers (tensor parallel), `dp` replicas of that; 'fsdp': "
-        "parameters, gradients and optimizer state sharded over the `dp` workers (FSDP2), each "
-        "block also tensor parallel when `tp` > 1. Relaxed consistency, data parallel: "
-        "'local_sgd' (parameters averaged every `local_sgd_period` steps), 'async' (a parameter "
-        "server on Ray actors, no waiting), 'ssp' (the same, at most `staleness` steps ahead).",
-    )
-    workers: int = Field(
-        2,
-        ge=1,
-        description="Ray Train workers (processes) in the job: dp * pp (pipeline, hybrid), "
-        "dp * tp (tp, fsdp).",
-    )
-    pp: int = Field(1, ge=1, description="Pipeline stages (pipeline/hybrid).")
-    dp: int = Field(
-        1,
-        ge=1,
-        description="Data-parallel degree: replicas of the pipeline (hybrid) or of the "
-        "tensor-parallel model (tp), shards of the model (fsdp). For tp and fsdp, 1 means "
-        "workers / tp.",
-    )
-    tp: int = Field(
-        1, ge=1, description="Tensor-parallel degree: workers each block is split over (tp, fsdp)."
-    )
-    microbatches: int = Field(
-        1, ge=1, description="Micro-batches each batch is cut into for the pipeline schedule."
-    )
-    schedule: Literal["gpipe", "1f1b"] = Field(
-        "gpipe",
-        description="Pipeline schedule: 'gpipe' (all forwards, then all backwards) or '1f1b' "
-        "(one forward one backward; fewer activations held).",
-    )
-    split_points: list[int] | None = Field(
-        None,
-        description="Block indices where stages 2..pp begin (pp - 1 of them, increasing). "
-        "Default: an even split of the model's blocks.",
-    )
-    resources_per_worker: dict[str, float] = Field(
-        default_factory=lambda: {"CPU": 0.5},
-        description="Ray resources each worker reserves. Keep CPU below 1 on small machines so "
-        "Ray Data's read tasks can still be scheduled next to the workers.",
-    )
-    use_gpu: bool = Field(False, description="One GPU per worker; NCCL instead of gloo.")
-    torch_threads: int | None = Field(
-        None,
-        ge=1,
-        description="torch intra-op threads per worker. Default: the machine's cores divided "
-        "by the workers, at least 1, so workers do not oversubscribe cores.",
-    )
-    grad_compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = Field(
-        "none",
-        description="DDP gradient compression through a communication hook: 'fp16'/'bf16' "
-        "halve the all-reduced bytes ('bf16' on NCCL only), 'powersgd' sends a rank-1 "
-        "approximation, 'topk' the largest `topk_ratio` of the entries (values + indices); "
-        "both with error feedback (ddp only). Every hook counts the bytes it sends.",
-    )
-    topk_ratio: float = Field(
-        0.01, gt=0, le=0.5, description="Share of gradient entries 'topk' compression sends."
-    )
-    local_sgd_period: int = Field(
-        4, ge=1, description="'local_sgd': steps between parameter averages (H)."
-    )
-    staleness: int = Field(
-        2, ge=0, description="'ssp': most steps a worker may run ahead of the slowest."
-    )
-    staleness_lr: bool = Field(
-        False,
-        description="'async'/'ssp': divide an update's learning rate by its staleness.",
-    )
-    ps_shards: int = Field(
-        2, ge=1, description="'async'/'ssp': parameter-server actors the model is split over."
-    )
-    straggler: StragglerConfig | None = Field(
-        None,
-        description="Make workers slow on purpose: {rank (one or a list taking turns), "
-        "every, delay_s, first_epoch, last_epoch}; see README, Communication and consistency.",
-    )
-    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
-        "PACK", description="Ray placement strategy of the worker group."
-    )
-
-    @model_validator(mode="after")
-    def _check_resources(self) -> ParallelismConfig:
-        for name, amount in self.resources_per_worker.items():
-            if amount < 0:
-                raise ValueError(f"resources_per_worker.{name} must not be negative")
-        if self.use_gpu and self.resources_per_worker.get("GPU", 1) == 0:
-            raise ValueError("use_gpu is true but resources_per_worker.GPU is 0")
-        return self
-
-
 class TrackingConfig(StrictModel):
     tracking_uri: str | None = Field(
         None,
@@ -324,180 +201,6 @@ class TrackingConfig(StrictModel):
         "node that runs workers, logged as the run's system metrics `system/<node>/...`; "
         "0 turns them off.",
     )
-
-
-class AutoscalingConfig(StrictModel):
-    min_replicas: int = Field(1, ge=0, description="Fewest model replicas.")
-    max_replicas: int = Field(2, ge=1, description="Most model replicas.")
-    target_ongoing_requests: float | None = Field(
-        None,
-        gt=0,
-        description="Requests in flight per replica that autoscaling aims for. Default: "
-        "serving.max_batch_size: a batching replica needs a full batch in flight, and a lower "
-        "target splits the load into half-full batches (benchmarks/README.md, serve_load).",
-    )
-    upscale_delay_s: float = Field(5.0, ge=0, description="Seconds of high load before adding.")
-    downscale_delay_s: float = Field(30.0, ge=0, description="Seconds of low load before removing.")
-
-    @model_validator(mode="after")
-    def _check_bounds(self) -> AutoscalingConfig:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(
-                f"min_replicas ({self.min_replicas}) is larger than max_replicas "
-                f"({self.max_replicas})"
-            )
-        return self
-
-
-class GenerationConfig(StrictModel):
-    max_num_seqs: int = Field(
-        8,
-        ge=1,
-        description="Sequences a replica decodes together (its KV-cache slots); more requests "
-        "wait for a slot, up to max_ongoing_requests + max_queued_requests in all.",
-    )
-    default_max_tokens: int = Field(
-        16, ge=1, description="Tokens (bytes) generated when a request does not say."
-    )
-    speculate: int = Field(
-        0,
-        ge=0,
-        le=16,
-        description="Speculative decoding: tokens each sequence proposes per step, checked in "
-        "one forward (0: off); by prompt lookup (from its own earlier text) unless "
-        "`draft_model` names a draft. Greedy output is unchanged; sampled output keeps its "
-        "distribution.",
-    )
-    draft_model: str | None = Field(
-        None,
-        description="A registered draft that proposes the `speculate` tokens instead of prompt "
-        "lookup: `models:/NAME/VERSION` or `models:/NAME@ALIAS`, a smaller gpt over the same "
-        "bytes with at least the served model's context, in the same MLflow store.",
-    )
-
-    @field_validator("draft_model")
-    @classmethod
-    def _model_uri(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_model_uri(value)  # ValueError naming the form
-        return value
-
-    @model_validator(mode="after")
-    def _draft_proposes(self) -> GenerationConfig:
-        if self.draft_model is not None and self.speculate < 1:
-            raise ValueError(
-                "draft_model needs speculate >= 1 (the tokens the draft proposes per step)"
-            )
-        return self
-
-
-class ServingConfig(StrictModel):
-    api: Literal["infer", "generate"] = Field(
-        "infer",
-        description="What the endpoint answers: 'infer' (Open Inference Protocol v2 infer on "
-        "the model's outputs, /v2/models/{model_name}/infer) or 'generate' (a gpt language "
-        "model's text: OpenAI-compatible /v1/completions, /v1/chat/completions, /v1/models, "
-        "and /v2/models/{model_name}/generate[_stream]).",
-    )
-    generation: GenerationConfig = Field(
-        default_factory=GenerationConfig, description="Text generation (api: generate)."
-    )
-    quantization: Literal["none", "int8"] = Field(
-        "none",
-        description="Weights of the served model's linear layers: 'none' (fp32) or 'int8' "
-        "(torchao weight-only int8, one scale per output channel; api: generate).",
-    )
-    host: str = Field(
-        "127.0.0.1",
-        description="Address the HTTP proxy binds. Anything else is an explicit choice.",
-    )
-    port: int = Field(8000, ge=1, le=65535, description="HTTP port of the endpoint.")
-    ingress: Literal["haproxy", "proxy"] = Field(
-        "haproxy",
-        description="HTTP ingress of a Ray that raylane starts: 'haproxy' (Serve's HAProxy in "
-        "front of replicas listening on their own ports, 127.0.0.1:30000-31000 by default) or "
-        "'proxy' (Serve's Python proxy). A `ray start` cluster takes it from the environment "
-        "of `ray start` (see README, Serving).",
-    )
-    model_name: str = Field(
-        "digits",
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
-        description="Name in the endpoint's URLs: /v2/models/{model_name}/infer.",
-    )
-    max_batch_size: int = Field(32, ge=1, description="Most requests merged into one forward.")
-    batch_wait_timeout_s: float = Field(
-        0.01, ge=0, description="How long a batch waits to fill before it runs anyway."
-    )
-    replica_cpus: float = Field(0.5, gt=0, description="CPUs each model replica reserves.")
-    replica_resources: dict[str, float] = Field(
-        default_factory=dict,
-        description="Custom Ray resources each model replica reserves, to place replicas on a "
-        "node type (e.g. {serving: 1} with nodes started with --resources='{\"serving\": 4}').",
-    )
-    max_ongoing_requests: int = Field(
-        64, ge=1, description="Requests a replica accepts at once (should exceed max_batch_size)."
-    )
-    max_queued_requests: int = Field(
-        128,
-        ge=-1,
-        description="Requests the proxy holds for the model beyond what replicas accept; past "
-        "it a request gets 503 with Retry-After at once. -1 queues without limit.",
-    )
-    retry_after_s: float = Field(
-        1.0, ge=0, description="Retry-After (seconds) sent with a 503 for a full queue."
-    )
-    max_body_bytes: int = Field(
-        4 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above it)."
-    )
-    api_key_env: str = Field(
-        "RAYLANE_API_KEY",
-        min_length=1,
-        description="Environment variable holding the API key. When it (or api_key_file) gives "
-        "a key, inference routes need `Authorization: Bearer <key>`; health routes stay open.",
-    )
-    api_key_file: Path | None = Field(
-        None, description="File holding the API key (a mounted secret); wins over api_key_env."
-    )
-    model_version: int | None = Field(
-        None,
-        ge=1,
-        description="Registry version to serve. Unset: the version holding the champion alias "
-        "when deploying. Deploying another version rolls the running app onto it.",
-    )
-    surge_percent: int = Field(
-        100,
-        ge=0,
-        le=100,
-        description="Extra replicas started during an upgrade (percent of the current count): "
-        "old replicas serve until the new ones are ready. 0 stops old ones first.",
-    )
-    log_encoding: Literal["JSON", "TEXT"] = Field(
-        "JSON", description="Replica log format; JSON access logs carry request ids."
-    )
-    access_log: bool = Field(
-        True,
-        description="Write one access-log line per request in the replica logs (turning it off "
-        "changed throughput by less than the noise in benchmarks/serve_load.py).",
-    )
-    autoscaling: AutoscalingConfig = Field(
-        default_factory=AutoscalingConfig, description="Replica autoscaling."
-    )
-
-    @model_validator(mode="after")
-    def _check_batching(self) -> ServingConfig:
-        if self.max_ongoing_requests < self.max_batch_size:
-            raise ValueError(
-                f"max_ongoing_requests ({self.max_ongoing_requests}) is smaller than "
-                f"max_batch_size ({self.max_batch_size}): batches could never fill"
-            )
-        if self.quantization != "none" and self.api != "generate":
-            raise ValueError(
-                f"quantization '{self.quantization}' applies to api 'generate' (the infer API "
-                "serves the registered torch.export program as it is)"
-            )
-        if self.max_queued_requests == 0:
-            raise ValueError("max_queued_requests is 0: use -1 for no limit, or a positive bound")
-        return self
 
 
 class RaylaneConfig(StrictModel):

@@ -1,0 +1,136 @@
+"""`parallelism:`: the strategy, its degrees and the worker group (cross-field layout rules
+are `raylane.config.layout`'s)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from raylane.config.strict import StrictModel
+
+
+class StragglerConfig(StrictModel):
+    rank: int | list[int] = Field(
+        ...,
+        description="The worker (world rank) that straggles, or several that take turns "
+        "(staggered within each `every` steps).",
+    )
+    every: int = Field(1, ge=1, description="It sleeps before every `every`-th step.")
+    delay_s: float = Field(..., gt=0, le=60, description="How long it sleeps each time.")
+    first_epoch: int = Field(0, ge=0, description="First epoch it straggles in.")
+    last_epoch: int | None = Field(
+        None, ge=0, description="Last epoch it straggles in (unset: to the end)."
+    )
+
+    @field_validator("rank")
+    @classmethod
+    def _check_ranks(cls, rank: int | list[int]) -> int | list[int]:
+        ranks = rank if isinstance(rank, list) else [rank]
+        if not ranks or min(ranks) < 0 or len(set(ranks)) != len(ranks):
+            raise ValueError("must be a worker rank >= 0, or a list of distinct ones")
+        return rank
+
+    @property
+    def ranks(self) -> list[int]:
+        return self.rank if isinstance(self.rank, list) else [self.rank]
+
+
+Strategy = Literal["ddp", "pipeline", "hybrid", "tp", "fsdp", "local_sgd", "async", "ssp"]
+
+
+class ParallelismConfig(StrictModel):
+    strategy: Strategy = Field(
+        "ddp",
+        description="How the model is parallelised. 'ddp': data parallel "
+        "(DistributedDataParallel, synchronous all-reduce); 'pipeline': the model's blocks "
+        "split into `pp` stages on different workers, micro-batched; 'hybrid': `dp` "
+        "data-parallel replicas of a `pp`-stage pipeline; 'tp': each block's attention heads "
+        "and MLP split over `tp` workers (tensor parallel), `dp` replicas of that; 'fsdp': "
+        "parameters, gradients and optimizer state sharded over the `dp` workers (FSDP2), each "
+        "block also tensor parallel when `tp` > 1. Relaxed consistency, data parallel: "
+        "'local_sgd' (parameters averaged every `local_sgd_period` steps), 'async' (a parameter "
+        "server on Ray actors, no waiting), 'ssp' (the same, at most `staleness` steps ahead).",
+    )
+    workers: int = Field(
+        2,
+        ge=1,
+        description="Ray Train workers (processes) in the job: dp * pp (pipeline, hybrid), "
+        "dp * tp (tp, fsdp).",
+    )
+    pp: int = Field(1, ge=1, description="Pipeline stages (pipeline/hybrid).")
+    dp: int = Field(
+        1,
+        ge=1,
+        description="Data-parallel degree: replicas of the pipeline (hybrid) or of the "
+        "tensor-parallel model (tp), shards of the model (fsdp). For tp and fsdp, 1 means "
+        "workers / tp.",
+    )
+    tp: int = Field(
+        1, ge=1, description="Tensor-parallel degree: workers each block is split over (tp, fsdp)."
+    )
+    microbatches: int = Field(
+        1, ge=1, description="Micro-batches each batch is cut into for the pipeline schedule."
+    )
+    schedule: Literal["gpipe", "1f1b"] = Field(
+        "gpipe",
+        description="Pipeline schedule: 'gpipe' (all forwards, then all backwards) or '1f1b' "
+        "(one forward one backward; fewer activations held).",
+    )
+    split_points: list[int] | None = Field(
+        None,
+        description="Block indices where stages 2..pp begin (pp - 1 of them, increasing). "
+        "Default: an even split of the model's blocks.",
+    )
+    resources_per_worker: dict[str, float] = Field(
+        default_factory=lambda: {"CPU": 0.5},
+        description="Ray resources each worker reserves. Keep CPU below 1 on small machines so "
+        "Ray Data's read tasks can still be scheduled next to the workers.",
+    )
+    use_gpu: bool = Field(False, description="One GPU per worker; NCCL instead of gloo.")
+    torch_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads per worker. Default: the machine's cores divided "
+        "by the workers, at least 1, so workers do not oversubscribe cores.",
+    )
+    grad_compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = Field(
+        "none",
+        description="DDP gradient compression through a communication hook: 'fp16'/'bf16' "
+        "halve the all-reduced bytes ('bf16' on NCCL only), 'powersgd' sends a rank-1 "
+        "approximation, 'topk' the largest `topk_ratio` of the entries (values + indices); "
+        "both with error feedback (ddp only). Every hook counts the bytes it sends.",
+    )
+    topk_ratio: float = Field(
+        0.01, gt=0, le=0.5, description="Share of gradient entries 'topk' compression sends."
+    )
+    local_sgd_period: int = Field(
+        4, ge=1, description="'local_sgd': steps between parameter averages (H)."
+    )
+    staleness: int = Field(
+        2, ge=0, description="'ssp': most steps a worker may run ahead of the slowest."
+    )
+    staleness_lr: bool = Field(
+        False,
+        description="'async'/'ssp': divide an update's learning rate by its staleness.",
+    )
+    ps_shards: int = Field(
+        2, ge=1, description="'async'/'ssp': parameter-server actors the model is split over."
+    )
+    straggler: StragglerConfig | None = Field(
+        None,
+        description="Make workers slow on purpose: {rank (one or a list taking turns), "
+        "every, delay_s, first_epoch, last_epoch}; see README, Communication and consistency.",
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="Ray placement strategy of the worker group."
+    )
+
+    @model_validator(mode="after")
+    def _check_resources(self) -> ParallelismConfig:
+        for name, amount in self.resources_per_worker.items():
+            if amount < 0:
+                raise ValueError(f"resources_per_worker.{name} must not be negative")
+        if self.use_gpu and self.resources_per_worker.get("GPU", 1) == 0:
+            raise ValueError("use_gpu is true but resources_per_worker.GPU is 0")
+        return self

@@ -1,0 +1,185 @@
+"""`serving:`: the Ray Serve endpoint, its autoscaling and text generation."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from raylane.config.model_uri import parse_model_uri
+from raylane.config.strict import StrictModel
+
+
+class AutoscalingConfig(StrictModel):
+    min_replicas: int = Field(1, ge=0, description="Fewest model replicas.")
+    max_replicas: int = Field(2, ge=1, description="Most model replicas.")
+    target_ongoing_requests: float | None = Field(
+        None,
+        gt=0,
+        description="Requests in flight per replica that autoscaling aims for. Default: "
+        "serving.max_batch_size: a batching replica needs a full batch in flight, and a lower "
+        "target splits the load into half-full batches (benchmarks/README.md, serve_load).",
+    )
+    upscale_delay_s: float = Field(5.0, ge=0, description="Seconds of high load before adding.")
+    downscale_delay_s: float = Field(30.0, ge=0, description="Seconds of low load before removing.")
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(
+                f"min_replicas ({self.min_replicas}) is larger than max_replicas "
+                f"({self.max_replicas})"
+            )
+        return self
+
+
+class GenerationConfig(StrictModel):
+    max_num_seqs: int = Field(
+        8,
+        ge=1,
+        description="Sequences a replica decodes together (its KV-cache slots); more requests "
+        "wait for a slot, up to max_ongoing_requests + max_queued_requests in all.",
+    )
+    default_max_tokens: int = Field(
+        16, ge=1, description="Tokens (bytes) generated when a request does not say."
+    )
+    speculate: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="Speculative decoding: tokens each sequence proposes per step, checked in "
+        "one forward (0: off); by prompt lookup (from its own earlier text) unless "
+        "`draft_model` names a draft. Greedy output is unchanged; sampled output keeps its "
+        "distribution.",
+    )
+    draft_model: str | None = Field(
+        None,
+        description="A registered draft that proposes the `speculate` tokens instead of prompt "
+        "lookup: `models:/NAME/VERSION` or `models:/NAME@ALIAS`, a smaller gpt over the same "
+        "bytes with at least the served model's context, in the same MLflow store.",
+    )
+
+    @field_validator("draft_model")
+    @classmethod
+    def _model_uri(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_model_uri(value)  # ValueError naming the form
+        return value
+
+    @model_validator(mode="after")
+    def _draft_proposes(self) -> GenerationConfig:
+        if self.draft_model is not None and self.speculate < 1:
+            raise ValueError(
+                "draft_model needs speculate >= 1 (the tokens the draft proposes per step)"
+            )
+        return self
+
+
+class ServingConfig(StrictModel):
+    api: Literal["infer", "generate"] = Field(
+        "infer",
+        description="What the endpoint answers: 'infer' (Open Inference Protocol v2 infer on "
+        "the model's outputs, /v2/models/{model_name}/infer) or 'generate' (a gpt language "
+        "model's text: OpenAI-compatible /v1/completions, /v1/chat/completions, /v1/models, "
+        "and /v2/models/{model_name}/generate[_stream]).",
+    )
+    generation: GenerationConfig = Field(
+        default_factory=GenerationConfig, description="Text generation (api: generate)."
+    )
+    quantization: Literal["none", "int8"] = Field(
+        "none",
+        description="Weights of the served model's linear layers: 'none' (fp32) or 'int8' "
+        "(torchao weight-only int8, one scale per output channel; api: generate).",
+    )
+    host: str = Field(
+        "127.0.0.1",
+        description="Address the HTTP proxy binds. Anything else is an explicit choice.",
+    )
+    port: int = Field(8000, ge=1, le=65535, description="HTTP port of the endpoint.")
+    ingress: Literal["haproxy", "proxy"] = Field(
+        "haproxy",
+        description="HTTP ingress of a Ray that raylane starts: 'haproxy' (Serve's HAProxy in "
+        "front of replicas listening on their own ports, 127.0.0.1:30000-31000 by default) or "
+        "'proxy' (Serve's Python proxy). A `ray start` cluster takes it from the environment "
+        "of `ray start` (see README, Serving).",
+    )
+    model_name: str = Field(
+        "digits",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="Name in the endpoint's URLs: /v2/models/{model_name}/infer.",
+    )
+    max_batch_size: int = Field(32, ge=1, description="Most requests merged into one forward.")
+    batch_wait_timeout_s: float = Field(
+        0.01, ge=0, description="How long a batch waits to fill before it runs anyway."
+    )
+    replica_cpus: float = Field(0.5, gt=0, description="CPUs each model replica reserves.")
+    replica_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources each model replica reserves, to place replicas on a "
+        "node type (e.g. {serving: 1} with nodes started with --resources='{\"serving\": 4}').",
+    )
+    max_ongoing_requests: int = Field(
+        64, ge=1, description="Requests a replica accepts at once (should exceed max_batch_size)."
+    )
+    max_queued_requests: int = Field(
+        128,
+        ge=-1,
+        description="Requests the proxy holds for the model beyond what replicas accept; past "
+        "it a request gets 503 with Retry-After at once. -1 queues without limit.",
+    )
+    retry_after_s: float = Field(
+        1.0, ge=0, description="Retry-After (seconds) sent with a 503 for a full queue."
+    )
+    max_body_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="Largest request body accepted (413 above it)."
+    )
+    api_key_env: str = Field(
+        "RAYLANE_API_KEY",
+        min_length=1,
+        description="Environment variable holding the API key. When it (or api_key_file) gives "
+        "a key, inference routes need `Authorization: Bearer <key>`; health routes stay open.",
+    )
+    api_key_file: Path | None = Field(
+        None, description="File holding the API key (a mounted secret); wins over api_key_env."
+    )
+    model_version: int | None = Field(
+        None,
+        ge=1,
+        description="Registry version to serve. Unset: the version holding the champion alias "
+        "when deploying. Deploying another version rolls the running app onto it.",
+    )
+    surge_percent: int = Field(
+        100,
+        ge=0,
+        le=100,
+        description="Extra replicas started during an upgrade (percent of the current count): "
+        "old replicas serve until the new ones are ready. 0 stops old ones first.",
+    )
+    log_encoding: Literal["JSON", "TEXT"] = Field(
+        "JSON", description="Replica log format; JSON access logs carry request ids."
+    )
+    access_log: bool = Field(
+        True,
+        description="Write one access-log line per request in the replica logs (turning it off "
+        "changed throughput by less than the noise in benchmarks/serve_load.py).",
+    )
+    autoscaling: AutoscalingConfig = Field(
+        default_factory=AutoscalingConfig, description="Replica autoscaling."
+    )
+
+    @model_validator(mode="after")
+    def _check_batching(self) -> ServingConfig:
+        if self.max_ongoing_requests < self.max_batch_size:
+            raise ValueError(
+                f"max_ongoing_requests ({self.max_ongoing_requests}) is smaller than "
+                f"max_batch_size ({self.max_batch_size}): batches could never fill"
+            )
+        if self.quantization != "none" and self.api != "generate":
+            raise ValueError(
+                f"quantization '{self.quantization}' applies to api 'generate' (the infer API "
+                "serves the registered torch.export program as it is)"
+            )
+        if self.max_queued_requests == 0:
+            raise ValueError("max_queued_requests is 0: use -1 for no limit, or a positive bound")
+        return self
