@@ -92,6 +92,19 @@ def _check_sharded(cfg: RaylaneConfig) -> None:
 
 
 def check_layout(cfg: RaylaneConfig) -> None:
+    """Raise ValueError naming the first impossible combination of `cfg`'s layout: its options
+    (compression, stragglers, tp), then the rules of its kind of strategy."""
+    _check_options(cfg)
+    strategy = cfg.parallelism.strategy
+    if strategy in SHARDED:
+        _check_sharded(cfg)
+    elif strategy in DATA_PARALLEL:
+        _check_data_parallel(cfg)
+    else:
+        _check_pipelined(cfg)
+
+
+def _check_options(cfg: RaylaneConfig) -> None:
     par = cfg.parallelism
     if cfg.training.activation_checkpointing and cfg.model.kind != "gpt":
         raise ValueError(
@@ -123,17 +136,20 @@ def check_layout(cfg: RaylaneConfig) -> None:
             f"model.n_heads ({cfg.model.n_heads}) is not divisible by parallelism.tp "
             f"({par.tp}): each tensor-parallel worker holds whole attention heads"
         )
-    if par.strategy in SHARDED:
-        _check_sharded(cfg)
-        return
-    if par.strategy in DATA_PARALLEL:
-        if par.pp != 1 or par.dp not in (1, par.workers):
-            raise ValueError(
-                f"parallelism: strategy '{par.strategy}' uses all {par.workers} workers as "
-                f"data-parallel replicas; pp must be 1 (got {par.pp}) and dp 1 or "
-                f"{par.workers} (got {par.dp})"
-            )
-        return
+
+
+def _check_data_parallel(cfg: RaylaneConfig) -> None:
+    par = cfg.parallelism
+    if par.pp != 1 or par.dp not in (1, par.workers):
+        raise ValueError(
+            f"parallelism: strategy '{par.strategy}' uses all {par.workers} workers as "
+            f"data-parallel replicas; pp must be 1 (got {par.pp}) and dp 1 or "
+            f"{par.workers} (got {par.dp})"
+        )
+
+
+def _check_pipelined(cfg: RaylaneConfig) -> None:
+    par = cfg.parallelism
     if cfg.model.kind != "gpt":
         raise ValueError(
             f"parallelism: strategy '{par.strategy}' splits transformer blocks into stages; "
@@ -165,7 +181,12 @@ def check_layout(cfg: RaylaneConfig) -> None:
             f"training.batch_size ({cfg.training.batch_size}) is not divisible by "
             f"parallelism.microbatches ({par.microbatches})"
         )
-    n_layers = cfg.model.n_layers
+    _check_split(cfg)
+
+
+def _check_split(cfg: RaylaneConfig) -> None:
+    """The blocks divide evenly over the stages, or `split_points` says where to cut."""
+    par, n_layers = cfg.parallelism, cfg.model.n_layers
     if par.split_points is None:
         if n_layers % par.pp:
             raise ValueError(

@@ -112,53 +112,16 @@ def _ring_s(nbytes: float, ranks: int, gbps: float, latency_s: float, passes: fl
 def predict(
     work: Workload, layout: Layout, cluster: Cluster, efficiency: float = DEFAULT_EFFICIENCY
 ) -> Prediction:
-    shape, spec, device = work.shape, cluster.spec, cluster.device
-    latency = spec.link_latency_us * 1e-6
-    intra, inter = device.intra_node_gbps, device.inter_node_gbps
+    """Step time (compute, bubble, each axis's communication) and memory per device of
+    `layout` for `work` on `cluster`."""
     recompute = layout.activation_checkpointing
-    rows = work.global_batch / layout.dp  # per replica per step
-    micro_rows = rows / layout.microbatches
-
-    # Compute, shared by every device; raylane's whole head is computed on every tp worker.
-    flops = work.model_flops(recompute)
-    head = 3 * 2 * work.global_batch * work.seq * shape.d_model * shape.vocab_size
-    per_device = (flops - head) / layout.workers + head / (
-        layout.workers if work.head_split_by_tp else layout.dp * layout.pp
-    )
-    compute = per_device / (device.peak_flops[work.precision] * efficiency)
-    bubble = compute * (layout.pp - 1) / layout.microbatches
-
-    # Tensor parallel: each block's activations all-reduced on the critical path.
-    activation = micro_rows * work.seq * shape.d_model * work.value_bytes
-    tp_link = intra if layout.tp <= spec.devices_per_node else inter
-    per_block = 6 if recompute else 4
-    tp_comm = (
-        (shape.n_layers / layout.pp)
-        * layout.microbatches
-        * per_block
-        * _ring_s(activation, layout.tp, tp_link, latency)
-    )
-
-    # Data parallel: this device's gradients (FSDP: reduce-scatter + 2 all-gathers).
-    params = shape.params_per_device(tp=layout.tp, pp=layout.pp, stage=0)
-    dp_link = inter if layout.workers > spec.devices_per_node else intra
-    passes = 3.0 if layout.zero_stage == 3 else 2.0
-    dp_total = _ring_s(params * work.value_bytes, layout.dp, dp_link, latency, passes)
-    overlapped = layout.strategy in ("ddp", "fsdp")
-    dp_comm = max(dp_total - compute * 2 / 3, 0.0) if overlapped else dp_total
-
-    # Pipeline: each micro-batch's activations forward and gradients back across a boundary.
-    pp_link = inter if layout.tp * layout.pp > spec.devices_per_node else intra
-    pp_comm = 0.0
-    if layout.pp > 1:
-        pp_comm = 2 * layout.microbatches * (activation / (pp_link * 1e9) + latency)
-
+    micro_rows = work.global_batch / layout.dp / layout.microbatches
+    compute = _compute_s(work, layout, cluster, efficiency)
+    params = work.shape.params_per_device(tp=layout.tp, pp=layout.pp, stage=0)
     parts = {
         "compute": compute,
-        "bubble": bubble,
-        "tp_comm": tp_comm,
-        "dp_comm": dp_comm,
-        "pp_comm": pp_comm,
+        "bubble": compute * (layout.pp - 1) / layout.microbatches,
+        **_comm_s(work, layout, cluster, compute, params, micro_rows),
     }
     step = sum(parts.values())
 
@@ -166,7 +129,7 @@ def predict(
     state = sharded_state(params, layout.dp, layout.zero_stage, per_param)
     activations = _activation_bytes(work, layout, micro_rows)
     memory = state.total + activations
-    fits = memory <= device.memory_gb * 1e9 * MEMORY_HEADROOM
+    fits = memory <= cluster.device.memory_gb * 1e9 * MEMORY_HEADROOM
     return Prediction(
         layout=layout,
         step_s=step,
@@ -178,6 +141,53 @@ def predict(
         tokens_per_s=work.global_batch * work.seq / step,
         flops_per_device=work.model_flops(recompute) / step / layout.workers,
     )
+
+
+def _compute_s(work: Workload, layout: Layout, cluster: Cluster, efficiency: float) -> float:
+    """One device's share of the step's FLOPs at `efficiency` of its peak; raylane's whole
+    head is computed on every tp worker unless the workload splits it."""
+    shape, device = work.shape, cluster.device
+    flops = work.model_flops(layout.activation_checkpointing)
+    head = 3 * 2 * work.global_batch * work.seq * shape.d_model * shape.vocab_size
+    per_device = (flops - head) / layout.workers + head / (
+        layout.workers if work.head_split_by_tp else layout.dp * layout.pp
+    )
+    return per_device / (device.peak_flops[work.precision] * efficiency)
+
+
+def _comm_s(
+    work: Workload, layout: Layout, cluster: Cluster, compute: float, params: float,
+    micro_rows: float,
+) -> dict[str, float]:  # fmt: skip
+    """Each parallel axis's communication on the critical path: tp_comm, dp_comm, pp_comm."""
+    shape, spec, device = work.shape, cluster.spec, cluster.device
+    latency = spec.link_latency_us * 1e-6
+    intra, inter = device.intra_node_gbps, device.inter_node_gbps
+
+    # Tensor parallel: each block's activations all-reduced on the critical path.
+    activation = micro_rows * work.seq * shape.d_model * work.value_bytes
+    tp_link = intra if layout.tp <= spec.devices_per_node else inter
+    per_block = 6 if layout.activation_checkpointing else 4
+    tp_comm = (
+        (shape.n_layers / layout.pp)
+        * layout.microbatches
+        * per_block
+        * _ring_s(activation, layout.tp, tp_link, latency)
+    )
+
+    # Data parallel: this device's gradients (FSDP: reduce-scatter + 2 all-gathers).
+    dp_link = inter if layout.workers > spec.devices_per_node else intra
+    passes = 3.0 if layout.zero_stage == 3 else 2.0
+    dp_total = _ring_s(params * work.value_bytes, layout.dp, dp_link, latency, passes)
+    overlapped = layout.strategy in ("ddp", "fsdp")
+    dp_comm = max(dp_total - compute * 2 / 3, 0.0) if overlapped else dp_total
+
+    # Pipeline: each micro-batch's activations forward and gradients back across a boundary.
+    pp_link = inter if layout.tp * layout.pp > spec.devices_per_node else intra
+    pp_comm = 0.0
+    if layout.pp > 1:
+        pp_comm = 2 * layout.microbatches * (activation / (pp_link * 1e9) + latency)
+    return {"tp_comm": tp_comm, "dp_comm": dp_comm, "pp_comm": pp_comm}
 
 
 def _activation_bytes(work: Workload, layout: Layout, micro_rows: float) -> float:

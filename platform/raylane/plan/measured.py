@@ -107,17 +107,61 @@ def _compression_ratio(cfg: RaylaneConfig) -> float:
 
 def predict_config(profile: dict, cfg: RaylaneConfig) -> LocalPrediction:
     """Predicted step time, samples/s and peak worker memory of `cfg` on the profiled cluster."""
-    model, par, training = cfg.model, cfg.parallelism, cfg.training
-    if model.kind != "gpt":
-        raise ProfileMismatch(f"the cost model predicts GPT layouts, not model.kind '{model.kind}'")
-    level = _level(profile, par.workers)
-    layers, seq, width = model.n_layers, model.input_dim, model.d_model
-    recompute = training.activation_checkpointing
-    strategy = par.strategy
-    dims = ParallelDims.from_parallelism(par)
-    pp, tp, dp = dims.pp, dims.tp, dims.dp
-    micro = par.microbatches if dims.pp_enabled else 1
-    rows = training.batch_size / micro  # per micro-batch, per replica
+    if cfg.model.kind != "gpt":
+        raise ProfileMismatch(
+            f"the cost model predicts GPT layouts, not model.kind '{cfg.model.kind}'"
+        )
+    shape = _Shape.of(profile, cfg)
+    parts = _compute_parts(profile, cfg, shape)
+    parts["comm"] += _sync_comm(profile, cfg, shape)
+    step = sum(parts.values())
+    return LocalPrediction(
+        step_s=step,
+        parts=parts,
+        memory_mb=_peak_memory_mb(profile, cfg, shape),
+        samples_per_s=cfg.training.batch_size * shape.dp / step if step > 0 else 0.0,
+    )
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """What a layout makes of the model on one worker: degrees, rows per micro-batch,
+    blocks per stage, parameters held, and the profile's figures at its worker count."""
+
+    level: dict
+    pp: int
+    tp: int
+    dp: int
+    pipelined: bool
+    micro: int
+    rows: float  # per micro-batch, per replica
+    stage_layers: float
+    params_held: float
+    activation_bytes: float  # one block's input for `rows` rows
+
+    @classmethod
+    def of(cls, profile: dict, cfg: RaylaneConfig) -> _Shape:
+        model, par = cfg.model, cfg.parallelism
+        dims = ParallelDims.from_parallelism(par)
+        pp, tp, dp = dims.pp, dims.tp, dims.dp
+        micro = par.microbatches if dims.pp_enabled else 1
+        rows = cfg.training.batch_size / micro
+        block_params, ends_params = profile["block_params"], profile["ends_params"]
+        params_held = (model.n_layers / pp) * block_params / tp + ends_params / pp
+        if par.strategy == "fsdp":
+            params_held = (model.n_layers * block_params / tp + ends_params) / dp
+        return cls(
+            level=_level(profile, par.workers), pp=pp, tp=tp, dp=dp, pipelined=dims.pp_enabled,
+            micro=micro, rows=rows, stage_layers=model.n_layers / pp, params_held=params_held,
+            activation_bytes=rows * model.input_dim * model.d_model * _FP32,
+        )  # fmt: skip
+
+
+def _compute_parts(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> dict[str, float]:
+    """Compute (blocks, ends, optimizer, tensor-parallel all-reduces), the pipeline bubble,
+    and the pipeline's own communication (sends and the schedule's cost)."""
+    level, tp, rows = shape.level, shape.tp, shape.rows
+    recompute = cfg.training.activation_checkpointing
 
     def block_s(r: float) -> float:
         # Tensor parallelism splits the per-row work; each op's fixed cost stays.
@@ -126,70 +170,67 @@ def predict_config(profile: dict, cfg: RaylaneConfig) -> LocalPrediction:
             seconds += _fit(level["block_forward"], r / tp)
         return seconds
 
-    block_params, ends_params = profile["block_params"], profile["ends_params"]
-    params_held = (layers / pp) * block_params / tp + ends_params / pp
-    if strategy == "fsdp":
-        params_held = (layers * block_params / tp + ends_params) / dp
-    optimizer = level["optimizer_s_per_param"] * params_held
-
-    activation_bytes = rows * seq * width * _FP32
-    stage_layers = layers / pp
+    optimizer = level["optimizer_s_per_param"] * shape.params_held
     tp_comm = 0.0
     if tp > 1:
         per_block = 6 if recompute else 4
-        tp_comm = stage_layers * per_block * _link(level.get("all_reduce"), activation_bytes)
+        tp_comm = (
+            shape.stage_layers * per_block * _link(level.get("all_reduce"), shape.activation_bytes)
+        )
+    if not shape.pipelined:
+        blocks = cfg.model.n_layers * block_s(rows)
+        compute = blocks + _fit(level["ends"], rows) + optimizer + tp_comm
+        return {"compute": compute, "bubble": 0.0, "comm": 0.0}
+    pp, micro = shape.pp, shape.micro
+    last = shape.stage_layers * block_s(rows) + _fit(level["ends"], rows) + tp_comm
+    first = shape.stage_layers * block_s(rows) + tp_comm
+    send = 2 * _link(profile.get("p2p"), shape.activation_bytes)
+    # The schedule's own cost (sends, receives, its Python), measured on two stages.
+    schedule = level.get("schedules", {}).get(cfg.parallelism.schedule)
+    overhead = 0.0 if schedule is None else (pp - 1) * _fit(schedule, micro)
+    return {
+        "compute": micro * last + optimizer,
+        "bubble": (pp - 1) * first,
+        "comm": overhead + micro * send,
+    }
 
-    if dims.pp_enabled:
-        last = stage_layers * block_s(rows) + _fit(level["ends"], rows) + tp_comm
-        first = stage_layers * block_s(rows) + tp_comm
-        send = 2 * _link(profile.get("p2p"), activation_bytes)
-        # The schedule's own cost (sends, receives, its Python), measured on two stages.
-        schedule = level.get("schedules", {}).get(par.schedule)
-        overhead = 0.0 if schedule is None else (pp - 1) * _fit(schedule, micro)
-        compute = micro * last + optimizer
-        bubble = (pp - 1) * first
-        comm = overhead + micro * send
-    else:
-        compute = layers * block_s(rows) + _fit(level["ends"], rows) + optimizer + tp_comm
-        bubble = 0.0
-        comm = 0.0
 
-    grad_bytes = _FP32 * ((layers / pp) * block_params / tp + ends_params)
+def _sync_comm(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
+    """The exposed time of synchronising replicas, as the strategy does it."""
+    par, level, dp = cfg.parallelism, shape.level, shape.dp
+    layers = cfg.model.n_layers
+    block_params, ends_params = profile["block_params"], profile["ends_params"]
+    grad_bytes = _FP32 * ((layers / shape.pp) * block_params / shape.tp + ends_params)
     ring = level.get("all_reduce") if dp > 1 else None
     # What a synchronous step waits beyond the collective itself (hooks, skew between workers
     # on shared cores): measured under DDP on the whole model at this worker count.
-    ddp_wait = _fit(level["ddp_wait"], rows) if "ddp_wait" in level else 0.0
+    ddp_wait = _fit(level["ddp_wait"], shape.rows) if "ddp_wait" in level else 0.0
     model_bytes = _FP32 * (layers * block_params + ends_params)
     skew = max(ddp_wait - _link(level.get("all_reduce"), model_bytes), 0.0)
-    if strategy == "ddp":
+    if par.strategy == "ddp":
         saved = (1 - _compression_ratio(cfg)) * _link_bytes(ring, grad_bytes)
-        comm += max(ddp_wait - saved, 0.0) if dp > 1 else 0.0
-    elif strategy == "fsdp":
-        comm += 1.5 * _link(ring, grad_bytes) + (skew if dp > 1 else 0.0)
-    elif strategy in ("async", "ssp"):
+        return max(ddp_wait - saved, 0.0) if dp > 1 else 0.0
+    if par.strategy == "fsdp":
+        return 1.5 * _link(ring, grad_bytes) + (skew if dp > 1 else 0.0)
+    if par.strategy in ("async", "ssp"):
         # Push the gradient, pull the weights: two point-to-point transfers of the model.
-        comm += 2 * _link(profile.get("p2p"), grad_bytes)
-    elif strategy == "local_sgd":
-        comm += (_link(ring, grad_bytes) + skew) / par.local_sgd_period
-    else:  # tp, pipeline, hybrid: gradients averaged after backward
-        comm += _link(ring, grad_bytes) + (skew if par.workers > 1 else 0.0)
+        return 2 * _link(profile.get("p2p"), grad_bytes)
+    if par.strategy == "local_sgd":
+        return (_link(ring, grad_bytes) + skew) / par.local_sgd_period
+    # tp, pipeline, hybrid: gradients averaged after backward
+    return _link(ring, grad_bytes) + (skew if par.workers > 1 else 0.0)
 
-    parts = {"compute": compute, "bubble": bubble, "comm": comm}
-    step = sum(parts.values())
 
-    state_per_param = _STATE_BYTES_PER_PARAM[training.optimizer]
-    # Micro-batches a stage holds at once (1 when not pipelined: micro and pp are 1).
-    in_flight = micro if par.schedule == "gpipe" else min(pp, micro)
-    ends_activations = profile["ends_activation_bytes_per_row"] * rows
-    if recompute:  # each block keeps only its input
-        activations = activation_bytes * stage_layers * in_flight + ends_activations
+def _peak_memory_mb(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
+    """Baseline, model state as the strategy holds it, and activations of the micro-batches
+    a stage holds at once (1 when not pipelined)."""
+    par = cfg.parallelism
+    state_per_param = _STATE_BYTES_PER_PARAM[cfg.training.optimizer]
+    in_flight = shape.micro if par.schedule == "gpipe" else min(shape.pp, shape.micro)
+    ends_activations = profile["ends_activation_bytes_per_row"] * shape.rows
+    if cfg.training.activation_checkpointing:  # each block keeps only its input
+        activations = shape.activation_bytes * shape.stage_layers * in_flight + ends_activations
     else:
-        per_row = profile["block_activation_bytes_per_row"] * stage_layers
-        activations = (per_row * rows + ends_activations) * in_flight
-    memory_mb = profile["baseline_rss_mb"] + (state_per_param * params_held + activations) / 2**20
-    return LocalPrediction(
-        step_s=step,
-        parts=parts,
-        memory_mb=memory_mb,
-        samples_per_s=training.batch_size * dp / step if step > 0 else 0.0,
-    )
+        per_row = profile["block_activation_bytes_per_row"] * shape.stage_layers
+        activations = (per_row * shape.rows + ends_activations) * in_flight
+    return profile["baseline_rss_mb"] + (state_per_param * shape.params_held + activations) / 2**20

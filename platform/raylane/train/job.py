@@ -146,11 +146,9 @@ def run_training(
     as `phase_*_s` metrics.
     """
     import mlflow
-    from mlflow.tracking import MlflowClient
 
     from raylane.data import dataset_digest
     from raylane.runtime import connect_ray
-    from raylane.tracking.identity import weights_digest
 
     phases = phases or PhaseClock()
     with phases.phase("preflight"):
@@ -161,12 +159,7 @@ def run_training(
     setup_start = time.time()
     mlflow.set_tracking_uri(tracking_uri)
     experiment = mlflow.set_experiment(cfg.experiment)
-    if resume_run_id:
-        run_name = MlflowClient().get_run(resume_run_id).info.run_name
-        start = {"run_id": resume_run_id}
-    else:
-        run_name = new_run_name(cfg.experiment)
-        start = {"run_name": run_name}
+    run_name, start = _run_start(cfg, resume_run_id)
     with mlflow.start_run(**start) as run:
         log.info("MLflow run %s in %s", run.info.run_id, tracking_uri)
         _tag_run(cfg, tags, resume_run_id, digest)
@@ -178,10 +171,7 @@ def run_training(
         if result.checkpoint is None:
             raise RuntimeError(f"run {run_name} ended without a checkpoint")
         phases.split_fit(fit_start, fit_end, marks_from_metrics(result.metrics))
-        mlflow.set_tag("raylane.checkpoint", result.checkpoint.path)
-        final = _final_model(cfg, result.checkpoint)
-        mlflow.set_tag("raylane.weights_digest", weights_digest(final.state_dict()))
-        registered = _log_and_register(final, cfg, metrics) if register else None
+        registered = _record_model(cfg, result.checkpoint, metrics, register)
         phases.add("model", time.time() - fit_end)
         mlflow.log_metrics(phases.metrics())
     model_uri, version, promoted, promotion = registered or (None, None, False, "not registered")
@@ -196,6 +186,30 @@ def run_training(
         promoted=promoted,
         promotion=promotion,
     )
+
+
+def _run_start(cfg: RaylaneConfig, resume_run_id: str | None) -> tuple[str, dict[str, str]]:
+    """The Ray Train run name and `mlflow.start_run` arguments: a new run, or the resumed one
+    under its own name (so Ray Train finds its state)."""
+    if resume_run_id:
+        from mlflow.tracking import MlflowClient
+
+        return MlflowClient().get_run(resume_run_id).info.run_name, {"run_id": resume_run_id}
+    run_name = new_run_name(cfg.experiment)
+    return run_name, {"run_name": run_name}
+
+
+def _record_model(cfg: RaylaneConfig, checkpoint, metrics: dict, register: bool):
+    """Tag the run with its last checkpoint and its weights' digest; log and register the
+    assembled model unless `register` is off. `(uri, version, promoted, promotion)` or None."""
+    import mlflow
+
+    from raylane.tracking.identity import weights_digest
+
+    mlflow.set_tag("raylane.checkpoint", checkpoint.path)
+    final = _final_model(cfg, checkpoint)
+    mlflow.set_tag("raylane.weights_digest", weights_digest(final.state_dict()))
+    return _log_and_register(final, cfg, metrics) if register else None
 
 
 def _tag_run(cfg: RaylaneConfig, tags, resume_run_id: str | None, digest: str) -> None:

@@ -173,10 +173,7 @@ def run_search(spec: TuneSpec) -> SearchOutcome:
     Trials never overlap: on a small cluster, concurrent trials share cores and their measured
     throughputs would rank the layouts wrongly.
     """
-    from ray import tune
-
     from raylane.data import ensure_dataset
-    from raylane.tune.trial import trial_driver
 
     candidates, pruned = enumerate_candidates(spec)
     log.info(
@@ -192,37 +189,81 @@ def run_search(spec: TuneSpec) -> SearchOutcome:
     ensure_dataset(trial_config(spec, candidates[0]))
 
     start = time.perf_counter()
-    predictions: dict[str, LocalPrediction] = {}
-    not_run: list[TrialOutcome] = []
-    profile_run_id, profile_s = None, 0.0
+    plan = _Plan(candidates, pruned)
     if spec.predict.enabled:
-        from raylane.tune.predicted import rank_candidates
-
-        ranking = rank_candidates(spec, candidates)
-        predictions, profile_run_id, profile_s = (
-            ranking.predictions,
-            ranking.profile_run_id,
-            ranking.profile_s,
-        )
-        pruned = pruned + ranking.pruned
-        candidates = ranking.launch
-        not_run = [
-            TrialOutcome(
-                c, "not run", detail="predicted slower than the top k", predicted=predictions[c.key]
-            )
-            for c in ranking.not_run
-        ]
-        log.info(
-            "measuring up to the %d predicted fastest, best first: %s",
-            len(candidates),
-            ", ".join(c.key for c in candidates),
-        )
-        if not candidates:
+        plan = _predict(spec, plan)
+        if not plan.launch:
             return SearchOutcome(
-                [], pruned, time.perf_counter() - start, not_run, profile_run_id, profile_s
-            )
+                [], plan.pruned, time.perf_counter() - start, plan.not_run, plan.profile_run_id,
+                plan.profile_s,
+            )  # fmt: skip
 
-    by_key = {c.key: c for c in candidates}
+    by_key = {c.key: c for c in plan.launch}
+    tuner, searcher = _tuner(spec, by_key, plan.predictions)
+    with _tune_console(verbose()):
+        grid = tuner.fit()
+    wall_s = time.perf_counter() - start
+    trials = [_judge(spec, by_key[result.config["key"]], result) for result in grid]
+    for trial in trials:
+        trial.predicted = plan.predictions.get(trial.candidate.key)
+    calibration = _calibrate(trials, list(by_key)) if plan.predictions else None
+    not_run = plan.not_run
+    if searcher is not None:
+        skipped = [
+            TrialOutcome(by_key[k], "not run", detail=why, predicted=plan.predictions[k])
+            for k, why in searcher.skipped.items()
+        ]
+        not_run = skipped + not_run  # predicted faster than the rest of not_run
+    if calibration is not None:
+        for item in not_run:
+            item.predicted = calibration.apply(plan.predictions[item.candidate.key])
+    return SearchOutcome(
+        trials, plan.pruned, wall_s, not_run, plan.profile_run_id, plan.profile_s, calibration
+    )
+
+
+@dataclass
+class _Plan:
+    """What a search will launch, and what it ruled out before launching anything."""
+
+    launch: list[Candidate]
+    pruned: list[Pruned]
+    not_run: list[TrialOutcome] = field(default_factory=list)
+    predictions: dict[str, LocalPrediction] = field(default_factory=dict)
+    profile_run_id: str | None = None
+    profile_s: float = 0.0
+
+
+def _predict(spec: TuneSpec, plan: _Plan) -> _Plan:
+    """Profile, predict every candidate, and keep the `top_k` predicted fastest to launch."""
+    from raylane.tune.predicted import rank_candidates
+
+    ranking = rank_candidates(spec, plan.launch)
+    predictions = ranking.predictions
+    not_run = [
+        TrialOutcome(
+            c, "not run", detail="predicted slower than the top k", predicted=predictions[c.key]
+        )
+        for c in ranking.not_run
+    ]
+    log.info(
+        "measuring up to the %d predicted fastest, best first: %s",
+        len(ranking.launch),
+        ", ".join(c.key for c in ranking.launch),
+    )
+    return _Plan(
+        ranking.launch, plan.pruned + ranking.pruned, not_run, predictions,
+        ranking.profile_run_id, ranking.profile_s,
+    )  # fmt: skip
+
+
+def _tuner(spec: TuneSpec, by_key: dict[str, Candidate], predictions):
+    """`(Tuner, searcher)`: one trial at a time, best predicted first when there are
+    predictions (`PredictedFirst`, which also stops early), else a grid."""
+    from ray import tune
+
+    from raylane.tune.trial import trial_driver
+
     configs = {key: trial_config(spec, c).model_dump(mode="json") for key, c in by_key.items()}
     searcher = None
     if predictions:
@@ -253,23 +294,7 @@ def run_search(spec: TuneSpec) -> SearchOutcome:
             callbacks=[TrialProgress(len(by_key), spec.trial.epochs)],
         ),
     )
-    with _tune_console(verbose()):
-        grid = tuner.fit()
-    wall_s = time.perf_counter() - start
-    trials = [_judge(spec, by_key[result.config["key"]], result) for result in grid]
-    for trial in trials:
-        trial.predicted = predictions.get(trial.candidate.key)
-    calibration = _calibrate(trials, list(by_key)) if predictions else None
-    if searcher is not None:
-        skipped = [
-            TrialOutcome(by_key[k], "not run", detail=why, predicted=predictions[k])
-            for k, why in searcher.skipped.items()
-        ]
-        not_run[:0] = skipped  # predicted faster than the rest of not_run
-    if calibration is not None:
-        for item in not_run:
-            item.predicted = calibration.apply(predictions[item.candidate.key])
-    return SearchOutcome(trials, pruned, wall_s, not_run, profile_run_id, profile_s, calibration)
+    return tuner, searcher
 
 
 def _calibrate(trials: list[TrialOutcome], order: list[str]) -> Calibration | None:
