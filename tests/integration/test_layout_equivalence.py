@@ -1,10 +1,10 @@
 """The core proof: every model-splitting layout (pipeline, hybrid, tensor parallel, FSDP,
-FSDP x tensor parallel, and 3D dp x pp x tp) is the same computation as single-process
-training, and so are the limits of the relaxed-consistency strategies that must reduce to it
-(DDP; local SGD averaging every step; an asynchronous parameter server with one worker). Same
-seed, same batches: per-step losses within a relative 1e-4, final parameters within 1e-4, over
-5 optimizer steps. Runs the strategies' own code inside Ray Train workers, one worker group per
-world size for all its layouts.
+FSDP x tensor parallel, pipeline x FSDP, and 3D dp x pp x tp) is the same computation as
+single-process training, and so are the limits of the relaxed-consistency strategies that must
+reduce to it (DDP; local SGD averaging every step; an asynchronous parameter server with one
+worker). Same seed, same batches: per-step losses within a relative 1e-4, final parameters
+within 1e-4, over 5 optimizer steps. Runs the strategies' own code inside Ray Train workers,
+one worker group per world size for all its layouts.
 
 The optimizer is plain SGD: Adam divides each update by the gradient's running magnitude, which
 turns float rounding on parameters whose true gradient is zero (attention key biases) into
@@ -39,6 +39,8 @@ LAYOUTS = {
     "fsdp2": {"strategy": "fsdp", "tp": 1, "dp": 2},
     "fsdp2-tp2": {"strategy": "fsdp", "tp": 2, "dp": 2},
     "3d-dp2-pp2-tp2": {"strategy": "hybrid", "schedule": "1f1b", "pp": 2, "dp": 2, "tp": 2},
+    # Each of 2 stages sharded over 2 workers (FSDP2 inside the pipeline schedule).
+    "pp2-fsdp2": {"strategy": "fsdp", "schedule": "1f1b", "pp": 2, "dp": 2},
     "ddp2": {"strategy": "ddp", "dp": 2},
     # Averaging the replicas' parameters after every SGD step is averaging their gradients.
     "local-sgd-every-step": {"strategy": "local_sgd", "local_sgd_period": 1, "dp": 2},

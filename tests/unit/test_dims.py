@@ -67,6 +67,10 @@ def test_layout_describes_itself_and_names_impossible_degrees():
                     "parallelism.dp=2", "parallelism.tp=2")  # fmt: skip
     assert three_d.describe() == "dp 2 x pp 2 x tp 2 (8 workers): gradients all-reduced"
     assert _dims(LM).describe() == "pp 2 (2 workers)"
+    sharded_stages = _dims(LM, "parallelism.strategy=fsdp", "parallelism.workers=4",
+                           "parallelism.dp=2", "parallelism.microbatches=4")  # fmt: skip
+    assert (sharded_stages.dp_shard, sharded_stages.pp, sharded_stages.dp_replicate) == (2, 2, 1)
+    assert sharded_stages.describe() == "dp_shard 2 x pp 2 (4 workers): gradients reduce-scattered"
     assert _dims(REFERENCE, "parallelism.workers=1").describe() == "1 worker"
     ssp = _dims(REFERENCE, "parallelism.strategy=ssp")
     assert ssp.describe() == "dp 2 (2 workers): parameter server on 2 shards, staleness at most 2"

@@ -224,7 +224,7 @@ def test_a_verified_proposal_leaves_the_sampling_distribution_unchanged():
 def test_a_draft_model_keeps_greedy_output_and_a_perfect_draft_is_always_accepted(model):
     import copy
 
-    greedy = SamplingParams(max_tokens=30, temperature=0)
+    greedy = SamplingParams(max_tokens=27, temperature=0)  # not a whole number of steps
     prompts = [_prompt(seed, 7) for seed in (21, 22, 23)]
     plain = [generate_without_cache(model, p, greedy).output for p in prompts]
     torch.manual_seed(5)
@@ -239,7 +239,15 @@ def test_a_draft_model_keeps_greedy_output_and_a_perfect_draft_is_always_accepte
     # The model's own copy proposes exactly what it would decode: every proposal accepted
     # (and the draft catches up on its last, unread proposal each step).
     assert engine.acceptance_rate == 1.0
-    assert engine.forwards <= 3 + 3 * 30 // (k + 1) + 3
+    assert engine.forwards <= 3 + 3 * 27 // (k + 1) + 3
+    # Sampled too: a proposal drawn from the model's own distribution is always kept.
+    engine = GenerationEngine(model, max_num_seqs=2, speculate=3, draft=copy.deepcopy(model))
+    sampled = [SamplingParams(max_tokens=10 + i, temperature=0.8, seed=i) for i in range(3)]
+    for prompt, params in zip(prompts, sampled, strict=True):
+        engine.add(prompt, params)
+    while engine.busy:
+        engine.step()
+    assert engine.acceptance_rate == 1.0 and engine.proposed > 0
 
 
 def test_a_draft_sampled_request_repeats_with_its_seed(model):

@@ -76,12 +76,13 @@ class ParallelDims:
     def from_parallelism(cls, par: ParallelismConfig) -> ParallelDims:
         """The layout a `parallelism:` section asks for; its strategy name is a preset.
 
-        'tp' and 'fsdp' read `dp: 1` as workers / tp (as the config documents)."""
+        'tp' and 'fsdp' read `dp: 1` as workers / tp (as the config documents) when there are
+        no pipeline stages; 'fsdp' with pp > 1 shards each stage over its `dp` workers."""
         strategy, workers = par.strategy, par.workers
         if strategy in ("tp", "fsdp"):
-            dp = workers // par.tp if par.dp == 1 else par.dp
-            if strategy == "fsdp":
-                return cls(dp_shard=dp, tp=par.tp)
+            dp = workers // par.tp if par.dp == 1 and par.pp == 1 else par.dp
+            if strategy == "fsdp":  # with pp > 1: every stage sharded over the dp workers
+                return cls(dp_shard=dp, pp=par.pp, tp=par.tp)
             return cls(dp_replicate=dp, tp=par.tp)
         if strategy in ("pipeline", "hybrid"):
             return cls(dp_replicate=par.dp, pp=par.pp, tp=par.tp)
@@ -147,6 +148,8 @@ class ParallelDims:
             parts.append(f"tp {self.tp}")
         workers = self.world_size
         line = f"{' x '.join(parts)} ({workers} workers)" if parts else "1 worker"
+        if self.dp_shard > 1:  # FSDP: each worker ends a step with its shard of the gradients
+            return f"{line}: gradients reduce-scattered"
         return f"{line}: {self.sync.describe()}" if self.dp > 1 else line
 
     def as_params(self) -> dict[str, str]:

@@ -37,7 +37,7 @@ def describe_stages(cfg: RaylaneConfig) -> list[str]:
 
     A single line for unpipelined strategies."""
     par, n_layers = cfg.parallelism, cfg.model.n_layers
-    if par.strategy in SHARDED:
+    if par.strategy in SHARDED and par.pp == 1:
         return [_describe_sharded(cfg)]
     if par.pp == 1:
         return [f"every worker: the whole model ({par.workers} data-parallel replicas)"]
@@ -49,7 +49,10 @@ def describe_stages(cfg: RaylaneConfig) -> list[str]:
         if stage == par.pp - 1:
             parts.append("norm + head")
         split = f", blocks split over {par.tp} workers" if par.tp > 1 else ""
-        lines.append(f"stage {stage}: {', '.join(parts)} (x{par.dp} replicas{split})")
+        copies = (
+            f"sharded over {par.dp} workers" if par.strategy == "fsdp" else f"x{par.dp} replicas"
+        )
+        lines.append(f"stage {stage}: {', '.join(parts)} ({copies}{split})")
     return lines
 
 
@@ -70,10 +73,13 @@ def _describe_sharded(cfg: RaylaneConfig) -> str:
 
 def _check_sharded(cfg: RaylaneConfig) -> None:
     par = cfg.parallelism
+    if par.pp != 1 and par.strategy == "fsdp":  # pp x fsdp: every stage sharded over dp
+        _check_pipelined(cfg)
+        return
     if par.pp != 1:
         raise ValueError(
             f"parallelism: strategy '{par.strategy}' has no pipeline stages; pp must be 1 "
-            f"(got {par.pp})"
+            f"(got {par.pp}); 'fsdp' with pp > 1 shards each stage over dp"
         )
     if par.tp > 1 and cfg.model.kind != "gpt":
         raise ValueError(

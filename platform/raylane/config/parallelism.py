@@ -48,23 +48,24 @@ class ParallelismConfig(StrictModel):
         "data-parallel replicas of a `pp`-stage pipeline; 'tp': each block's attention heads "
         "and MLP split over `tp` workers (tensor parallel), `dp` replicas of that; 'fsdp': "
         "parameters, gradients and optimizer state sharded over the `dp` workers (FSDP2), each "
-        "block also tensor parallel when `tp` > 1. Relaxed consistency, data parallel: "
+        "block also tensor parallel when `tp` > 1, and with `pp` > 1 each pipeline stage sharded "
+        "over its `dp` workers (pp x fsdp). Relaxed consistency, data parallel: "
         "'local_sgd' (parameters averaged every `local_sgd_period` steps), 'async' (a parameter "
         "server on Ray actors, no waiting), 'ssp' (the same, at most `staleness` steps ahead).",
     )
     workers: int = Field(
         2,
         ge=1,
-        description="Ray Train workers (processes) in the job: dp * pp (pipeline, hybrid), "
-        "dp * tp (tp, fsdp).",
+        description="Ray Train workers (processes) in the job: dp * pp * tp (pipeline, hybrid, "
+        "fsdp with pp > 1), dp * tp (tp, fsdp).",
     )
-    pp: int = Field(1, ge=1, description="Pipeline stages (pipeline/hybrid).")
+    pp: int = Field(1, ge=1, description="Pipeline stages (pipeline, hybrid, fsdp).")
     dp: int = Field(
         1,
         ge=1,
         description="Data-parallel degree: replicas of the pipeline (hybrid) or of the "
-        "tensor-parallel model (tp), shards of the model (fsdp). For tp and fsdp, 1 means "
-        "workers / tp.",
+        "tensor-parallel model (tp), shards of the model or of each stage (fsdp). For tp and "
+        "fsdp without stages, 1 means workers / tp.",
     )
     tp: int = Field(
         1, ge=1, description="Tensor-parallel degree: workers each block is split over (tp, fsdp)."

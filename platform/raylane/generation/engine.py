@@ -164,7 +164,7 @@ class GenerationEngine:
 
     @property
     def acceptance_rate(self) -> float | None:
-        """Speculative tokens accepted over proposed (None before any was proposed)."""
+        """Speculative tokens accepted over those checked (None before any was proposed)."""
         return self.accepted / self.proposed if self.proposed else None
 
     @property
@@ -216,6 +216,11 @@ class GenerationEngine:
         else:
             proposals = [propose_ngram(s.prompt + s.output, k) for s in decoding]
             drafted = [[None] * len(p) for p in proposals]  # proposed for certain
+        # No sequence is offered more proposals than it may still generate before its bonus
+        # token (max_tokens).
+        room = [max(s.params.max_tokens - len(s.output) - 1, 0) for s in decoding]
+        proposals = [p[:r] for p, r in zip(proposals, room, strict=True)]
+        drafted = [d[:r] for d, r in zip(drafted, room, strict=True)]
         rows = [[s.output[-1], *p, *[s.output[-1]] * (k - len(p))]
                 for s, p in zip(decoding, proposals, strict=True)]  # fmt: skip
         logits = self.model.extend(torch.tensor(rows), self.cache, slots)
@@ -224,12 +229,13 @@ class GenerationEngine:
         for row, sequence, proposal, draws, start in zip(
             logits, decoding, proposals, drafted, starts, strict=True
         ):
-            accepted = 0
+            accepted = checked = 0
             for i in range(len(proposal) + 1):
                 if i < len(proposal):
                     ok, token = verify(
                         row[i], proposal[i], sequence.params, sequence.generator, draws[i]
                     )
+                    checked += 1
                 else:  # past the proposals: the model's own next token
                     ok, token = False, sample(row[i], sequence.params, sequence.generator)
                 accepted += ok
@@ -238,7 +244,8 @@ class GenerationEngine:
                 _finish_if_done(sequence)
                 if sequence.finished or not ok:
                     break
-            self.proposed += len(proposal)
+            # Acceptance counts the proposals checked (a stop sequence may end the rest).
+            self.proposed += checked
             self.accepted += accepted
             if sequence.finished:
                 self.finished[sequence.finish_reason] += 1

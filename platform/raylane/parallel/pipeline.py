@@ -3,7 +3,9 @@
 Each worker holds one stage: the plain model with the other stages' blocks deleted, so its
 parameter names are those of the whole model. Batches are cut into micro-batches and driven
 through the stages by a GPipe or 1F1B schedule; with dp > 1, each stage's gradients are averaged
-over its data-parallel replicas before the optimizer step; with tp > 1 each stage's blocks are
+over its data-parallel replicas before the optimizer step (strategy 'hybrid'), or each stage is
+sharded over its dp workers by FSDP2, which reduce-scatters them (strategy 'fsdp' with pp > 1;
+the schedule syncs only on a step's last backward); with tp > 1 each stage's blocks are
 also tensor parallel over `tp` workers (3D: dp x pp x tp on one mesh; activations pass between
 the workers of equal tp rank in neighbouring stages). Every step records each stage's busy
 time (forward/backward compute) and the activation bytes autograd holds, so the bubble can be
@@ -46,7 +48,8 @@ def build_stage_module(model: nn.Module, stage: int, bounds: list[int]) -> nn.Mo
 
 
 class PipelineParallel(StrategyDefaults):
-    """`pp` stages, `microbatches` per batch, optionally `dp` replicas (strategy 'hybrid')."""
+    """`pp` stages, `microbatches` per batch, optionally `dp` replicas (strategy 'hybrid') or
+    `dp` shards of each stage (strategy 'fsdp')."""
 
     splits_dataset = False
 
@@ -57,6 +60,7 @@ class PipelineParallel(StrategyDefaults):
         self.schedule_name = par.schedule
         self.device = torch.device("cuda" if par.use_gpu else "cpu")
         self.mesh = build_device_mesh(ParallelDims.from_parallelism(par), self.device.type)
+        self.sharded = self.mesh.dims.fsdp_enabled
         self.stage_index = self.mesh.pp_rank
         self.num_stages = par.pp
         self.bounds = stage_boundaries(cfg.model.n_layers, par.pp, par.split_points)
@@ -67,9 +71,9 @@ class PipelineParallel(StrategyDefaults):
         self.reports_loss = self.is_last and self.mesh.tp_rank == 0
         self.saves_checkpoint = self.mesh.dp_rank == 0
         self.checkpoint_part = self.stage_index
-        # 3D: blocks are tensor parallel, so every worker writes its shards (and each stage's
-        # first worker that stage's assembled part).
-        self.sharded_checkpoint = par.tp > 1
+        # 3D or sharded stages: every worker writes its shards (and each stage's first worker
+        # that stage's assembled part).
+        self.sharded_checkpoint = par.tp > 1 or self.sharded
         self.writes_part = self.saves_checkpoint and self.mesh.tp_rank == 0
         self.timer = StageTimer()
         self.activations = ActivationMeter()
@@ -83,6 +87,10 @@ class PipelineParallel(StrategyDefaults):
             self.device = get_device()
         module = build_stage_module(model, self.stage_index, self.bounds).to(self.device)
         apply_tensor_parallel(module, self.mesh.tp_mesh)
+        if self.sharded:  # imported here: a replicated pipeline never pays FSDP's imports
+            from raylane.parallel.fsdp import apply_fsdp
+
+            apply_fsdp(module, self.mesh.shard_mesh)
         self.stage = PipelineStage(
             module, self.stage_index, self.num_stages, self.device, group=self.mesh.pp_group
         )
@@ -120,7 +128,7 @@ class PipelineParallel(StrategyDefaults):
             self._run("step", inputs, targets, losses)
         scheduled = time.perf_counter()
         self.timer.end_step(scheduled - start)
-        if self.mesh.dp > 1:
+        if self.mesh.dp > 1 and not self.sharded:  # FSDP reduce-scattered them already
             average_gradients(model, self.mesh.dp_group, self.mesh.dp)
         averaged = time.perf_counter()
         optimizer.step()

@@ -41,5 +41,12 @@ def splits_dataset(name: str) -> bool:
 
 
 def get_strategy(cfg: RaylaneConfig, rank: int) -> ParallelStrategy:
-    """The configured strategy for the worker of global `rank` (process group initialised)."""
+    """The configured strategy for the worker of global `rank` (process group initialised).
+
+    The one branch on the layout: with pipeline stages a schedule drives each step (whatever
+    else each stage is: replicated, tensor parallel, sharded); otherwise the strategy named."""
+    from raylane.config.dims import ParallelDims
+
+    if ParallelDims.from_parallelism(cfg.parallelism).pp_enabled:
+        return _strategy_class("pipeline")(cfg, rank)
     return _strategy_class(cfg.parallelism.strategy)(cfg, rank)

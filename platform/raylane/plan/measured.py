@@ -148,8 +148,8 @@ class _Shape:
         rows = cfg.training.batch_size / micro
         block_params, ends_params = profile["block_params"], profile["ends_params"]
         params_held = (model.n_layers / pp) * block_params / tp + ends_params / pp
-        if par.strategy == "fsdp":
-            params_held = (model.n_layers * block_params / tp + ends_params) / dp
+        if par.strategy == "fsdp":  # the stage's (or whole model's) share, over its dp shards
+            params_held /= dp
         return cls(
             level=_level(profile, par.workers), pp=pp, tp=tp, dp=dp, pipelined=dims.pp_enabled,
             micro=micro, rows=rows, stage_layers=model.n_layers / pp, params_held=params_held,
