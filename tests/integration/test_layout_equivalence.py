@@ -2,9 +2,10 @@
 FSDP x tensor parallel, pipeline x FSDP, and 3D dp x pp x tp) is the same computation as
 single-process training, and so are the limits of the relaxed-consistency strategies that must
 reduce to it (DDP; local SGD averaging every step; an asynchronous parameter server with one
-worker). Same seed, same batches: per-step losses within a relative 1e-4, final parameters
-within 1e-4, over 5 optimizer steps. Runs the strategies' own code inside Ray Train workers,
-one worker group per world size for all its layouts.
+worker), and gradient compression (DDP's hook, tensor-parallel replicas) against single-process
+training on gradients compressed the same way. Same seed, same batches: per-step losses within
+a relative 1e-4, final parameters within 1e-4, over 5 optimizer steps. Runs the strategies' own
+code inside Ray Train workers, one worker group per world size for all its layouts.
 
 The optimizer is plain SGD: Adam divides each update by the gradient's running magnitude, which
 turns float rounding on parameters whose true gradient is zero (attention key biases) into
@@ -38,6 +39,8 @@ LAYOUTS = {
     "tp2-dp2": {"strategy": "tp", "tp": 2, "dp": 2},
     "fsdp2": {"strategy": "fsdp", "tp": 1, "dp": 2},
     "fsdp2-tp2": {"strategy": "fsdp", "tp": 2, "dp": 2},
+    # Every step of `parallelize` in its order: tensor parallel, checkpointing, FSDP.
+    "fsdp2-tp2-ac": {"strategy": "fsdp", "tp": 2, "dp": 2, "activation_checkpointing": True},
     "3d-dp2-pp2-tp2": {"strategy": "hybrid", "schedule": "1f1b", "pp": 2, "dp": 2, "tp": 2},
     # Each of 2 stages sharded over 2 workers (FSDP2 inside the pipeline schedule).
     "pp2-fsdp2": {"strategy": "fsdp", "schedule": "1f1b", "pp": 2, "dp": 2},
@@ -46,12 +49,22 @@ LAYOUTS = {
     "local-sgd-every-step": {"strategy": "local_sgd", "local_sgd_period": 1, "dp": 2},
     # With one worker nothing is stale: the shards' updates are plain SGD.
     "async-1-worker": {"strategy": "async", "dp": 1},
+    # Gradient compression: the same computation as single-process SGD on the replicas'
+    # gradients averaged in fp16 (`_reference` rounds them as the all-reduce does), through
+    # DDP's hook and through tensor-parallel replicas' flat gradient shards.
+    "ddp2-fp16": {"strategy": "ddp", "dp": 2, "grad_compression": "fp16"},
+    "tp2-dp2-fp16": {"strategy": "tp", "tp": 2, "dp": 2, "grad_compression": "fp16"},
 }
 
 
 def _config(layout: dict):
     workers = layout["dp"] * layout.get("pp", 1) * layout.get("tp", 1)
-    overrides = [f"parallelism.{key}={value}" for key, value in layout.items()]
+    overrides = [
+        f"training.{key}={str(value).lower()}"
+        if key == "activation_checkpointing"
+        else f"parallelism.{key}={value}"
+        for key, value in layout.items()
+    ]
     if "pp" not in layout:
         overrides.append("parallelism.pp=1")
     return load_config(
@@ -80,20 +93,46 @@ def _global_batches(cfg, dp: int):
     return [pool[step % 2] for step in range(STEPS)]
 
 
-def _reference(cfg, batches):
-    """Plain single-process training of the whole model on the whole global batches."""
+def _reference(cfg, batches, dp: int = 1):
+    """Plain single-process training of the whole model on the whole global batches; with
+    gradient compression, on the `dp` replicas' gradients averaged as the compressed all-reduce
+    averages them (each halved in fp16, summed in fp16)."""
     torch.manual_seed(cfg.training.seed)
     model = build_model(cfg.model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    compression = cfg.parallelism.grad_compression
     losses = []
     for batch in batches:
         optimizer.zero_grad()
-        logits = model(batch[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))
-        loss.backward()
+        if compression == "none":
+            loss = _loss(model, batch)
+            loss.backward()
+            losses.append(loss.item())
+        else:
+            assert compression == "fp16", compression
+            losses.append(_fp16_averaged_backward(model, batch.chunk(dp)))
         optimizer.step()
-        losses.append(loss.item())
     return losses, model.state_dict()
+
+
+def _loss(model, batch):
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))
+
+
+def _fp16_averaged_backward(model, parts) -> float:
+    """Set the gradients to the fp16 average of each part's; the parts' mean loss."""
+    summed, losses = None, []
+    for part in parts:
+        model.zero_grad()
+        loss = _loss(model, part)
+        loss.backward()
+        losses.append(loss.item())
+        halves = [(p.grad.half() / len(parts)) for p in model.parameters()]
+        summed = halves if summed is None else [a + b for a, b in zip(summed, halves, strict=True)]
+    for param, grad in zip(model.parameters(), summed, strict=True):
+        param.grad = grad.float()
+    return sum(losses) / len(losses)
 
 
 def _layouts_worker(loop_config):
@@ -136,6 +175,9 @@ def _layout_worker(config, batches):
         mine = batch[replica * rows : (replica + 1) * rows]
         loss = strategy.train_step(model, optimizer, cross_entropy, mine[:, :-1], mine[:, 1:])
         losses.append(None if loss is None else loss.item())
+    # What the compressed average sent against fp32's (0.5 in fp16): compression did run.
+    compressed = cfg.parallelism.grad_compression != "none"
+    sent_ratio = strategy.epoch_stats()["comm_bytes_ratio"] if compressed else None
     # Sharded parameters assembled (collective); a pipeline stage's are its own.
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     gathered = [None] * dist.get_world_size()
@@ -143,6 +185,7 @@ def _layout_worker(config, batches):
         gathered,
         {
             "dp_rank": replica,
+            "sent_ratio": sent_ratio,
             "losses": losses if strategy.reports_loss else [],
             # Plain arrays: Ray Train refuses tensors in a training function's return value.
             "state": {k: v.detach().numpy().copy() for k, v in state.items()},
@@ -195,7 +238,7 @@ def test_layout_training_equals_single_process(layout_records, name):
     cfg = _config(LAYOUTS[name])
     dp = replicas(cfg)
     batches = _global_batches(cfg, dp)
-    expected_losses, expected_state = _reference(cfg, batches)
+    expected_losses, expected_state = _reference(cfg, batches, dp)
 
     records = layout_records(name)
     assert not isinstance(records, str), records  # the layout's own error, from its workers
@@ -211,6 +254,9 @@ def test_layout_training_equals_single_process(layout_records, name):
     for got, want in zip(measured, expected_losses, strict=True):
         assert got == pytest.approx(want, rel=1e-4)
     assert expected_losses[-1] < expected_losses[0]  # it trained
+
+    if cfg.parallelism.grad_compression == "fp16":
+        assert {record["sent_ratio"] for record in records} == {0.5}
 
     merged = {}
     for record in records:

@@ -33,6 +33,8 @@ def _dims(config, *overrides):
               "parallelism.tp=2"], (2, 1, 2, 2), Sync()),
         ("configs/train/lm_tp.yaml", [], (1, 1, 1, 2), Sync()),
         ("configs/train/lm_tp.yaml", ["parallelism.workers=4"], (2, 1, 1, 2), Sync()),
+        ("configs/train/lm_tp.yaml", ["parallelism.workers=4", "parallelism.grad_compression=topk"],
+         (2, 1, 1, 2), Sync(compression="topk")),
         ("configs/train/lm_fsdp.yaml", [], (1, 2, 1, 1), Sync()),
         ("configs/train/lm_fsdp.yaml", ["parallelism.workers=4", "parallelism.tp=2"],
          (1, 2, 1, 2), Sync()),

@@ -8,6 +8,8 @@ fewer activation bytes for backward.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -16,8 +18,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raylane.config.schema import ModelConfig
 from raylane.models import build_model
-from raylane.parallel.activation_checkpoint import apply_activation_checkpointing
 from raylane.parallel.grad_compression import register_compression
+from raylane.parallel.parallelize import parallelize
 
 GPT = ModelConfig(kind="gpt", input_dim=16, num_classes=256, d_model=32, n_heads=4, n_layers=2)
 
@@ -87,7 +89,7 @@ def test_activation_checkpointing_keeps_gradients_and_saves_fewer_activations():
     torch.manual_seed(0)
     plain = build_model(GPT)
     torch.manual_seed(0)
-    checkpointed = apply_activation_checkpointing(build_model(GPT))
+    checkpointed = parallelize(build_model(GPT), None, activation_checkpointing=True)
     assert [n for n, _ in plain.named_parameters()] == [
         n for n, _ in checkpointed.named_parameters()
     ]  # checkpoints and the registry see the same names
@@ -106,3 +108,23 @@ def test_bf16_compression_is_refused_without_nccl():
         load_config(
             ROOT / "configs" / "train" / "digits_ddp.yaml", ["parallelism.grad_compression=bf16"]
         )
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["parallelism.grad_compression=powersgd", "parallelism.workers=4"],
+         "'powersgd' compresses DDP's gradient buckets; strategy 'tp' averages"),
+        (["parallelism.grad_compression=fp16"],
+         "2 workers at tp 2 make one replica"),
+        (["parallelism.strategy=fsdp", "parallelism.grad_compression=fp16",
+          "parallelism.workers=4"],
+         "(strategies 'ddp' and 'tp'); strategy 'fsdp' does not"),
+    ],
+)  # fmt: skip
+def test_compression_names_the_layouts_it_applies_to(overrides, message):
+    from raylane.config import ConfigError, load_config
+    from tests.readme_blocks import ROOT
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(ROOT / "configs" / "train" / "lm_tp.yaml", overrides)

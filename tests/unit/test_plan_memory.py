@@ -10,9 +10,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 
 from raylane.config.layout import stage_boundaries
 from raylane.models.gpt import GPT
+from raylane.models.gpt_plan import block_plan
 from raylane.parallel.meters import model_state_bytes
 from raylane.parallel.pipeline import build_stage_module
-from raylane.parallel.tensor_parallel import block_plan
 from raylane.plan.memory import FP32_ADAM, GPTShape, sharded_state
 
 GB = 1e9

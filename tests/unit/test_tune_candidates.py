@@ -91,7 +91,7 @@ def test_compression_is_pruned_where_nothing_is_all_reduced_through_ddp():
     assert reasons["ddp-w1-dp1xpp1-m1-b32-powersgd"] == (
         "one worker all-reduces no gradients: nothing to compress"
     )
-    assert "does not use DDP" in reasons["pipeline-w2-dp1xpp2-m2-b32-powersgd"]
+    assert "strategy 'pipeline' does not" in reasons["pipeline-w2-dp1xpp2-m2-b32-powersgd"]
 
 
 def test_extra_dimensions_and_trial_length_reach_the_config():

@@ -83,7 +83,7 @@ class ParallelDims:
             dp = workers // par.tp if par.dp == 1 and par.pp == 1 else par.dp
             if strategy == "fsdp":  # with pp > 1: every stage sharded over the dp workers
                 return cls(dp_shard=dp, pp=par.pp, tp=par.tp)
-            return cls(dp_replicate=dp, tp=par.tp)
+            return cls(dp_replicate=dp, tp=par.tp, sync=Sync(compression=par.grad_compression))
         if strategy in ("pipeline", "hybrid"):
             return cls(dp_replicate=par.dp, pp=par.pp, tp=par.tp)
         if strategy == "local_sgd":

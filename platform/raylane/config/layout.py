@@ -110,6 +110,30 @@ def check_layout(cfg: RaylaneConfig) -> None:
         _check_pipelined(cfg)
 
 
+def _check_compression(par) -> None:
+    """Gradient compression compresses what replicas all-reduce: DDP's buckets (every scheme)
+    or a tensor-parallel model's replicas' flat gradient (every scheme but PowerSGD, which
+    needs DDP's buckets)."""
+    name = par.grad_compression
+    if par.strategy == "tp":
+        if name == "powersgd":
+            raise ValueError(
+                "parallelism.grad_compression 'powersgd' compresses DDP's gradient buckets; "
+                "strategy 'tp' averages its replicas' gradients in one buffer: use 'fp16' or "
+                "'topk'"
+            )
+        if par.workers // par.tp < 2:
+            raise ValueError(
+                f"parallelism.grad_compression '{name}' compresses what tp replicas average; "
+                f"{par.workers} workers at tp {par.tp} make one replica (raise workers)"
+            )
+    elif par.strategy != "ddp":
+        raise ValueError(
+            f"parallelism.grad_compression '{name}' compresses the gradients replicas "
+            f"all-reduce (strategies 'ddp' and 'tp'); strategy '{par.strategy}' does not"
+        )
+
+
 def _check_options(cfg: RaylaneConfig) -> None:
     par = cfg.parallelism
     if cfg.training.activation_checkpointing and cfg.model.kind != "gpt":
@@ -117,11 +141,8 @@ def _check_options(cfg: RaylaneConfig) -> None:
             "training.activation_checkpointing recomputes transformer blocks; model.kind must "
             f"be 'gpt', not '{cfg.model.kind}'"
         )
-    if par.grad_compression != "none" and par.strategy != "ddp":
-        raise ValueError(
-            f"parallelism.grad_compression '{par.grad_compression}' is a DDP communication "
-            f"hook; strategy '{par.strategy}' does not use DDP"
-        )
+    if par.grad_compression != "none":
+        _check_compression(par)
     if par.grad_compression == "bf16" and not par.use_gpu:
         raise ValueError(
             "parallelism.grad_compression 'bf16' needs NCCL (parallelism.use_gpu: true); "

@@ -97,10 +97,11 @@ class ParallelismConfig(StrictModel):
     )
     grad_compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = Field(
         "none",
-        description="DDP gradient compression through a communication hook: 'fp16'/'bf16' "
+        description="Compression of the gradients replicas all-reduce: 'fp16'/'bf16' "
         "halve the all-reduced bytes ('bf16' on NCCL only), 'powersgd' sends a rank-1 "
         "approximation, 'topk' the largest `topk_ratio` of the entries (values + indices); "
-        "both with error feedback (ddp only). Every hook counts the bytes it sends.",
+        "both with error feedback. DDP applies it as a communication hook; tp replicas (dp "
+        "> 1) to their averaged gradient shards (not 'powersgd'). Counts the bytes it sends.",
     )
     topk_ratio: float = Field(
         0.01, gt=0, le=0.5, description="Share of gradient entries 'topk' compression sends."

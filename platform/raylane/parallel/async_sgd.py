@@ -22,6 +22,7 @@ from torch import nn
 
 from raylane.config import RaylaneConfig
 from raylane.parallel.base import WholeModelReplica, world_size
+from raylane.parallel.parallelize import parallelize
 from raylane.parallel.param_server import ParameterShard, StalenessClock, assign_shards
 
 NAMESPACE = "raylane-param-server"
@@ -47,6 +48,7 @@ class ParameterServerTraining(WholeModelReplica):
         from ray.train.torch import get_device
 
         self.device = get_device()
+        model = parallelize(model, None, activation_checkpointing=self.activation_checkpointing)
         self.model = model.to(self.device)
         self.params = list(self.model.parameters())
         return self.model

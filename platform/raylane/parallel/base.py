@@ -172,6 +172,7 @@ class WholeModelReplica(StrategyDefaults):
     def __init__(self, cfg, rank: int):
         self.name = cfg.parallelism.strategy
         self.rank = rank
+        self.activation_checkpointing = cfg.training.activation_checkpointing
         self.saves_checkpoint = rank == 0
         self.last_step_parts: dict[str, float] = {}
         self.sent_bytes = self.dense_bytes = self.steps = 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -14,14 +16,23 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def average_gradients(module: nn.Module, group: dist.ProcessGroup, world: int) -> None:
+def average_gradients(
+    module: nn.Module,
+    group: dist.ProcessGroup,
+    world: int,
+    averager: Callable[[torch.Tensor], None] | None = None,
+) -> None:
     """All-reduce the module's gradients (this worker's shards of them) over the replicas in
-    `group`, in one buffer."""
+    `group`, in one buffer; `averager` replaces the plain mean (a compressed one,
+    `raylane.parallel.grad_compression.GroupAverager`)."""
     grads = [local_tensor(p.grad) for p in module.parameters() if p.grad is not None]
     if not grads:
         return
     flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    flat /= world
+    if averager is None:
+        dist.all_reduce(flat, group=group)
+        flat /= world
+    else:
+        averager(flat)
     for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
         grad.copy_(averaged)

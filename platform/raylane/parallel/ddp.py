@@ -7,6 +7,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from raylane.config import RaylaneConfig
 from raylane.parallel.base import WholeModelReplica
+from raylane.parallel.grad_compression import register_compression, take_comm_stats
+from raylane.parallel.parallelize import parallelize
 
 
 class DataParallel(WholeModelReplica):
@@ -22,8 +24,7 @@ class DataParallel(WholeModelReplica):
 
         # prepare_model moves the model to the worker's device and wraps it in DDP when the
         # worker group has more than one worker.
-        from raylane.parallel.grad_compression import register_compression
-
+        model = parallelize(model, None, activation_checkpointing=self.activation_checkpointing)
         model = prepare_model(model, parallel_strategy="ddp")
         self.meter = register_compression(model, self.grad_compression, self.topk_ratio)
         self.device = next(model.parameters()).device
@@ -39,12 +40,5 @@ class DataParallel(WholeModelReplica):
 
     def epoch_stats(self) -> dict[str, float]:
         """Bytes this worker handed to gradient collectives per step, against fp32's."""
-        meter, steps = self.meter, max(self.steps, 1)
-        stats = {}
-        if meter.dense_bytes:
-            stats = {
-                "comm_bytes_per_step": meter.sent_bytes / steps,
-                "comm_bytes_ratio": meter.sent_bytes / meter.dense_bytes,
-            }
-        meter.sent_bytes = meter.dense_bytes = self.steps = 0
+        stats, self.steps = take_comm_stats(self.meter, self.steps), 0
         return stats

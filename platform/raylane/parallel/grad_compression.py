@@ -8,6 +8,11 @@ each hook call marks the time its bucket's gradients were ready: after the last 
 Schemes: 'none' (fp32 all-reduce), 'fp16'/'bf16' (all-reduce in half precision), 'powersgd'
 (torch's rank-r PowerSGD with error feedback) and 'topk' (the largest `topk_ratio` of each
 bucket's entries, values and int32 indices all-gathered, the rest fed back into the next step).
+
+The same schemes average one flat gradient buffer over a process group for the layouts that do
+not use DDP (`GroupAverager`: the replicas of a tensor-parallel mesh): the same functions
+compress, exchange and decompress, on a flat buffer instead of DDP's buckets. PowerSGD needs
+DDP's buckets (their parameters' shapes), so it stays a DDP hook.
 """
 
 import time
@@ -39,6 +44,19 @@ class CommMeter:
         return ready
 
 
+def take_comm_stats(meter: CommMeter, steps: int) -> dict[str, float]:
+    """Bytes handed to gradient collectives per step, and against fp32's, since the last call
+    (which this resets); {} where nothing was averaged."""
+    stats = {}
+    if meter.dense_bytes:
+        stats = {
+            "comm_bytes_per_step": meter.sent_bytes / max(steps, 1),
+            "comm_bytes_ratio": meter.sent_bytes / meter.dense_bytes,
+        }
+    meter.sent_bytes = meter.dense_bytes = 0
+    return stats
+
+
 class _CountingDist:
     """`torch.distributed` as seen by torch's hook modules, with collectives counted."""
 
@@ -62,10 +80,10 @@ powerSGD_hook.dist = _CountingDist(lambda: _ACTIVE[-1] if _ACTIVE else None)
 default_hooks.dist = powerSGD_hook.dist
 
 
-def _allreduce_mean(meter: CommMeter, tensor: torch.Tensor) -> torch.futures.Future:
-    tensor.div_(dist.get_world_size())
+def _allreduce_mean(meter: CommMeter, tensor: torch.Tensor, group=None) -> torch.futures.Future:
+    tensor.div_(dist.get_world_size(group))
     meter.sent(tensor)
-    return dist.all_reduce(tensor, async_op=True).get_future()
+    return dist.all_reduce(tensor, group=group, async_op=True).get_future()
 
 
 def fp32_hook(meter: CommMeter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -73,22 +91,29 @@ def fp32_hook(meter: CommMeter, bucket: dist.GradBucket) -> torch.futures.Future
     return _allreduce_mean(meter, bucket.buffer()).then(lambda fut: fut.value()[0])
 
 
+def half_average(
+    meter: CommMeter, buffer: torch.Tensor, dtype: torch.dtype, group=None
+) -> torch.futures.Future[torch.Tensor]:
+    """Average `buffer` over `group` in half precision; the future's value is `buffer`."""
+    compressed = buffer.to(dtype)
+
+    def decompress(fut):
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return _allreduce_mean(meter, compressed, group).then(decompress)
+
+
 def _half_hook(dtype: torch.dtype):
     def hook(meter: CommMeter, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         meter.bucket_ready(bucket)
-        buffer = bucket.buffer()
-        compressed = buffer.to(dtype)
-
-        def decompress(fut):
-            buffer.copy_(fut.value()[0])
-            return buffer
-
-        return _allreduce_mean(meter, compressed).then(decompress)
+        return half_average(meter, bucket.buffer(), dtype)
 
     return hook
 
 
-HALF_HOOKS = {"fp16": _half_hook(torch.float16), "bf16": _half_hook(torch.bfloat16)}
+HALF_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+HALF_HOOKS = {name: _half_hook(dtype) for name, dtype in HALF_DTYPES.items()}
 
 
 @dataclass
@@ -102,8 +127,15 @@ class TopKState:
 
 def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     state.meter.bucket_ready(bucket)
-    buffer = bucket.buffer()
-    residual = state.residuals.get(bucket.index())
+    return topk_average(state, bucket.buffer(), bucket.index())
+
+
+def topk_average(
+    state: TopKState, buffer: torch.Tensor, key: int, group=None
+) -> torch.futures.Future[torch.Tensor]:
+    """Average the top-k of `buffer` (plus what earlier steps left out under `key`) over
+    `group`; the future's value is `buffer`."""
+    residual = state.residuals.get(key)
     # DDP rebuilds its buckets after the first step; a residual of another size is dropped.
     fits = residual is not None and residual.shape == buffer.shape
     accumulated = buffer + residual if fits else buffer.clone()
@@ -111,12 +143,12 @@ def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future
     indices = accumulated.abs().topk(k, sorted=False).indices
     values = accumulated[indices]
     accumulated[indices] = 0
-    state.residuals[bucket.index()] = accumulated
+    state.residuals[key] = accumulated
     payload = torch.cat([values, indices.to(torch.int32).view(values.dtype)])
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     gathered = [torch.empty_like(payload) for _ in range(world)]
     state.meter.sent(payload)
-    future = dist.all_gather(gathered, payload, async_op=True).get_future()
+    future = dist.all_gather(gathered, payload, group=group, async_op=True).get_future()
 
     def decompress(_):
         buffer.zero_()
@@ -160,3 +192,29 @@ def register_compression(model, method: str, topk_ratio: float = 0.01) -> CommMe
     else:
         raise ValueError(f"unknown gradient compression {method!r}")
     return meter
+
+
+class GroupAverager:
+    """Averages a flat gradient buffer over `group` with `method` ('none', 'fp16', 'bf16',
+    'topk'), as DDP's hook of the same name averages a bucket; counts bytes in `meter`."""
+
+    def __init__(self, method: str, group, topk_ratio: float = 0.01):
+        if method not in ("none", "topk", *HALF_HOOKS):
+            raise ValueError(
+                f"gradient compression {method!r} needs DDP's buckets; a flat buffer takes "
+                "'none', 'fp16', 'bf16' or 'topk'"
+            )
+        self.method, self.group = method, group
+        self.meter = CommMeter()
+        self.topk = TopKState(self.meter, topk_ratio)
+
+    def __call__(self, flat: torch.Tensor) -> None:
+        """Replace `flat` by its (compressed) average over the group."""
+        self.meter.dense_bytes += flat.numel() * 4
+        if self.method == "none":
+            future = _allreduce_mean(self.meter, flat, self.group)
+        elif self.method == "topk":
+            future = topk_average(self.topk, flat, 0, self.group)
+        else:
+            future = half_average(self.meter, flat, HALF_DTYPES[self.method], self.group)
+        future.wait()

@@ -14,6 +14,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 
 from raylane.config import RaylaneConfig
 from raylane.parallel.base import WholeModelReplica, world_size
+from raylane.parallel.parallelize import parallelize
 
 
 def _distributed() -> bool:
@@ -29,6 +30,7 @@ class LocalSGD(WholeModelReplica):
         from ray.train.torch import get_device
 
         self.device = get_device()
+        model = parallelize(model, None, activation_checkpointing=self.activation_checkpointing)
         model = model.to(self.device)
         if _distributed():  # one starting point for every replica
             for tensor in model.state_dict().values():

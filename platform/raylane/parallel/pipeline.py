@@ -28,7 +28,7 @@ from raylane.parallel.base import LossFn, StrategyDefaults
 from raylane.parallel.collectives import average_gradients
 from raylane.parallel.mesh import build_device_mesh
 from raylane.parallel.meters import ActivationMeter, StageTimer
-from raylane.parallel.tensor_parallel import apply_tensor_parallel
+from raylane.parallel.parallelize import parallelize
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -57,6 +57,7 @@ class PipelineParallel(StrategyDefaults):
         par = cfg.parallelism
         self.name = par.strategy
         self.microbatches = par.microbatches
+        self.activation_checkpointing = cfg.training.activation_checkpointing
         self.schedule_name = par.schedule
         self.device = torch.device("cuda" if par.use_gpu else "cpu")
         self.mesh = build_device_mesh(ParallelDims.from_parallelism(par), self.device.type)
@@ -86,11 +87,7 @@ class PipelineParallel(StrategyDefaults):
 
             self.device = get_device()
         module = build_stage_module(model, self.stage_index, self.bounds).to(self.device)
-        apply_tensor_parallel(module, self.mesh.tp_mesh)
-        if self.sharded:  # imported here: a replicated pipeline never pays FSDP's imports
-            from raylane.parallel.fsdp import apply_fsdp
-
-            apply_fsdp(module, self.mesh.shard_mesh)
+        parallelize(module, self.mesh, activation_checkpointing=self.activation_checkpointing)
         self.stage = PipelineStage(
             module, self.stage_index, self.num_stages, self.device, group=self.mesh.pp_group
         )

@@ -30,7 +30,6 @@ from raylane.data.memory import MemorySplit, memory_batches
 from raylane.models import build_model
 from raylane.models.optim import build_optimizer
 from raylane.parallel import get_strategy
-from raylane.parallel.activation_checkpoint import apply_activation_checkpointing
 from raylane.parallel.meters import ActivationMeter, model_state_bytes
 from raylane.tracking.step_times import StepTimes, step_metrics
 from raylane.train.batches import iter_torch_batches
@@ -246,10 +245,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     seed_everything(cfg.training.seed)
 
     strategy = get_strategy(cfg, rank)
-    model = build_model(cfg.model)
-    if cfg.training.activation_checkpointing:
-        model = apply_activation_checkpointing(model)
-    model = strategy.wrap_model(model)
+    model = strategy.wrap_model(build_model(cfg.model))  # raylane.parallel.parallelize
     training = cfg.training
     optimizer = build_optimizer(
         model.parameters(), training.optimizer, training.lr, training.weight_decay

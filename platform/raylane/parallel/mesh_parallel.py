@@ -1,0 +1,84 @@
+"""Layouts that split the model on one mesh without pipeline stages: tensor parallel (strategy
+'tp'), FSDP2 (strategy 'fsdp'), and both (FSDP over tensor-parallel blocks, 2D: dp x tp).
+
+`parallelize` applies the layout to the plain model (the GPT's tensor-parallel plan, activation
+checkpointing, FSDP over the `dp_shard` workers); what is left to this strategy is how its
+data-parallel workers agree. Sharded workers need nothing more (FSDP reduce-scatters the
+gradients inside backward); replicas of a tensor-parallel model average their gradient shards
+before each optimizer step, optionally compressed (`parallelism.grad_compression` 'fp16' or
+'topk', the same compression DDP's hooks apply). The tp workers of one replica read the same
+batches and compute the same loss.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from raylane.config import RaylaneConfig
+from raylane.config.dims import ParallelDims
+from raylane.parallel.base import StrategyDefaults
+from raylane.parallel.collectives import average_gradients
+from raylane.parallel.mesh import build_device_mesh
+from raylane.parallel.parallelize import parallelize
+
+
+class MeshParallel(StrategyDefaults):
+    """`tp` workers per model, `dp` replicas of it or `dp` shards of it (workers = dp * tp)."""
+
+    splits_dataset = False
+    #: Every worker writes its shards (torch distributed checkpoint), rank 0 the whole model.
+    sharded_checkpoint = True
+    checkpoint_part = 0
+
+    def __init__(self, cfg: RaylaneConfig, rank: int):
+        par = cfg.parallelism
+        self.name = par.strategy
+        self.device = torch.device("cuda" if par.use_gpu else "cpu")
+        self.activation_checkpointing = cfg.training.activation_checkpointing
+        self.mesh = build_device_mesh(ParallelDims.from_parallelism(par), self.device.type)
+        self.dp, self.tp = self.mesh.dp, self.mesh.tp
+        self.dp_rank, self.tp_rank = self.mesh.dp_rank, self.mesh.tp_rank
+        self.data_rank, self.data_world = self.dp_rank, self.dp
+        # The tp workers of a replica compute the same loss; one of them reports it.
+        self.reports_loss = self.tp_rank == 0
+        self.saves_checkpoint = True
+        self.writes_part = rank == 0  # the assembled model
+        self.last_step_parts: dict[str, float] = {}
+        self.averager = None
+        if self.mesh.dims.dp_replicate > 1:
+            from raylane.parallel.grad_compression import GroupAverager
+
+            self.averager = GroupAverager(par.grad_compression, self.mesh.dp_group, par.topk_ratio)
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        if self.device.type == "cuda":
+            from ray.train.torch import get_device
+
+            self.device = get_device()
+        return parallelize(
+            model.to(self.device),
+            self.mesh,
+            activation_checkpointing=self.activation_checkpointing,
+        )
+
+    def sync_gradients(self, model: nn.Module) -> None:
+        # The tensor-parallel all-reduces and FSDP's all-gathers and reduce-scatters run inside
+        # forward and backward: counted as compute. Replicas average here.
+        if self.averager is not None:
+            average_gradients(model, self.mesh.dp_group, self.dp, self.averager)
+
+    def forward(
+        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor | None:
+        outputs = model(inputs.to(self.device)).cpu()  # every tp worker takes part
+        return outputs if self.reports_loss else None
+
+    def epoch_stats(self) -> dict[str, float]:
+        """Bytes this worker handed to the replicas' gradient averages (as DDP reports them)."""
+        if self.averager is None:
+            return {}
+        from raylane.parallel.grad_compression import take_comm_stats
+
+        stats, self.steps = take_comm_stats(self.averager.meter, self.steps), 0
+        return stats

@@ -1,0 +1,66 @@
+"""`parallelize`: a layout's parallelisms applied, in order, to a plain model or to one
+pipeline stage of it.
+
+1. tensor parallel: the model's own plan (`raylane.models.gpt_plan`) over the `tp` sub-mesh;
+2. activation checkpointing: each block recomputed in backward;
+3. FSDP2 over the `dp_shard` sub-mesh: block by block, then the rest as the root unit.
+
+Each step is one function and runs only where its degree (or setting) asks for it, so any
+combination of them is this one sequence. How data-parallel replicas then agree (DDP and its
+communication hook, periodic averaging, a parameter server, or the averaging of a mesh's
+replicas) is the strategy's synchronisation, applied to what this returns. A pipeline first
+cuts the model into its stage (`raylane.parallel.pipeline.build_stage_module`) and then calls
+this on the stage. torch's DTensor and FSDP modules are imported by the step that needs them:
+a data-parallel worker never pays their imports.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from raylane.parallel.activation_checkpoint import apply_activation_checkpointing
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from raylane.parallel.mesh import ParallelMesh
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
+    """Split every block of a GPT (or of a stage) over `tp_mesh` by the model's plan, in place."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from raylane.models.gpt_plan import block_plan
+
+    if tp_mesh.size() > 1:
+        for block in model.blocks.values():
+            parallelize_module(block, tp_mesh, block_plan())
+    return model
+
+
+def apply_fsdp(model: nn.Module, shard_mesh: DeviceMesh) -> nn.Module:
+    """Shard `model` (a whole GPT or a pipeline stage of one) over `shard_mesh`, block by block
+    and then the rest as the root unit, in place: only one block's full parameters exist at a
+    time, gathered before its forward (and again before its backward) and freed after."""
+    from torch.distributed.fsdp import fully_shard
+
+    for block in getattr(model, "blocks", {}).values():
+        fully_shard(block, mesh=shard_mesh)
+    fully_shard(model, mesh=shard_mesh)
+    return model
+
+
+def parallelize(
+    model: nn.Module, mesh: ParallelMesh | None, *, activation_checkpointing: bool = False
+) -> nn.Module:
+    """Apply the layout's parallelisms to `model` in order (in place; returns it). `mesh` is
+    None for layouts whose workers each hold the whole model (nothing to split or shard)."""
+    if mesh is not None and mesh.dims.tp_enabled:
+        apply_tensor_parallel(model, mesh.tp_mesh)
+    if activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if mesh is not None and mesh.dims.fsdp_enabled:
+        apply_fsdp(model, mesh.shard_mesh)
+    return model
