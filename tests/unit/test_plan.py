@@ -34,7 +34,7 @@ def test_megatron_trillion_parameter_throughput_is_predicted_within_a_quarter():
     from catalog figures with matmuls at 70 % of peak (and micro-batches of one sequence)."""
     work = Workload(GPTShape(51200, 2048, 25600, 128), 160, 3072, "bf16", head_split_by_tp=True)
     assert work.shape.total() == pytest.approx(1008e9, rel=0.01)
-    layout = Layout("hybrid", dp=6, tp=8, pp=64, microbatches=512, activation_checkpointing=True)
+    layout = Layout.of("hybrid", dp=6, tp=8, pp=64, microbatches=512, activation_checkpointing=True)
     predicted = predict(work, layout, _a100_cluster(nodes=384))
     assert predicted.flops_per_device == pytest.approx(163e12, rel=0.25)
     assert predicted.fits  # it ran on 80 GB devices
@@ -44,18 +44,18 @@ def test_the_parts_respond_to_the_layout_as_they_should():
     cfg = load_config(GPT_1P3B)
     work = workload_for(cfg, 512, "bf16")
     cluster = _a100_cluster(nodes=4)
-    few = predict(work, Layout("hybrid", dp=16, pp=2, microbatches=2), cluster)
-    many = predict(work, Layout("hybrid", dp=16, pp=2, microbatches=16), cluster)
+    few = predict(work, Layout.of("hybrid", dp=16, pp=2, microbatches=2), cluster)
+    many = predict(work, Layout.of("hybrid", dp=16, pp=2, microbatches=16), cluster)
     assert few.parts["bubble"] == pytest.approx(few.parts["compute"] / 2)  # (p - 1) / m
     assert many.parts["bubble"] < few.parts["bubble"]
     assert many.activation_bytes < few.activation_bytes  # smaller micro-batches
-    tp2 = predict(work, Layout("tp", dp=16, tp=2), cluster)
-    tp8 = predict(work, Layout("tp", dp=4, tp=8), cluster)
+    tp2 = predict(work, Layout.of("tp", dp=16, tp=2), cluster)
+    tp8 = predict(work, Layout.of("tp", dp=4, tp=8), cluster)
     assert tp8.parts["tp_comm"] > tp2.parts["tp_comm"] > 0
-    ddp = predict(work, Layout("ddp", dp=32), cluster)
-    fsdp = predict(work, Layout("fsdp", dp=32), cluster)
+    ddp = predict(work, Layout.of("ddp", dp=32), cluster)
+    fsdp = predict(work, Layout.of("fsdp", dp=32), cluster)
     assert fsdp.state.total == pytest.approx(ddp.state.total / 32)
-    checkpointed = predict(work, Layout("ddp", dp=32, activation_checkpointing=True), cluster)
+    checkpointed = predict(work, Layout.of("ddp", dp=32, activation_checkpointing=True), cluster)
     assert checkpointed.activation_bytes < ddp.activation_bytes
     assert checkpointed.parts["compute"] > ddp.parts["compute"]  # the recomputed forward
 

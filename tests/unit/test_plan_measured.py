@@ -256,3 +256,21 @@ def test_searcher_suggests_best_first_and_stops_once_the_rest_cannot_win():
     # c is expected at 125, 38 % below a's 200: not worth a trial.
     assert searcher.suggest("t3") == Searcher.FINISHED
     assert searcher.skipped == {"c": "predicted 38% slower than a measured"}
+
+
+def test_tensor_parallel_replicas_pay_the_average_after_backward_less_what_fp16_saves():
+    profile = {**PROFILE, "workers": 4, "levels": {**PROFILE["levels"], "4": _level(1.0, 10.0)}}
+
+    def tp(*extra):
+        return predict_config(profile, _cfg(
+            "parallelism.strategy=tp", "parallelism.pp=1", "parallelism.workers=4",
+            "parallelism.tp=2", "parallelism.dp=2", "training.batch_size=16", *extra,
+        ))  # fmt: skip
+
+    plain, fp16 = tp(), tp("parallelism.grad_compression=fp16")
+    # Each tp worker averages its half of the 4 blocks' parameters and the whole ends, in fp32,
+    # over a 1 ms + 1 ns/byte ring; fp16 halves the bytes, not the latency.
+    saved = plain.parts["comm"] - fp16.parts["comm"]
+    grad_bytes = 4 * (4 * 50_000 / 2 + 40_000)
+    assert saved == pytest.approx(0.5 * grad_bytes * 1e-9)
+    assert fp16.step_s < plain.step_s

@@ -134,18 +134,21 @@ def test_tensor_parallel_and_fsdp_layouts_are_searched_and_impossible_ones_named
     valid, pruned = enumerate_candidates(spec)
     found = sorted(
         (c.overrides["parallelism.strategy"], c.overrides["parallelism.dp"],
-         c.overrides["parallelism.tp"]) for c in valid
+         c.overrides["parallelism.pp"], c.overrides["parallelism.tp"]) for c in valid
     )  # fmt: skip
     assert found == [
-        ("fsdp", 1, 1),  # one worker: nothing to shard, still a valid run
-        ("fsdp", 1, 2),
-        ("fsdp", 1, 4),
-        ("fsdp", 2, 1),
-        ("fsdp", 2, 2),
-        ("fsdp", 4, 1),
-        ("tp", 1, 2),
-        ("tp", 1, 4),
-        ("tp", 2, 2),
+        ("fsdp", 1, 1, 1),  # one worker: nothing to shard, still a valid run
+        ("fsdp", 1, 1, 2),
+        ("fsdp", 1, 1, 4),
+        ("fsdp", 2, 1, 1),
+        ("fsdp", 2, 1, 2),
+        # pipeline x FSDP: each of 2 stages sharded over 2 workers, at 2 and 4 micro-batches
+        ("fsdp", 2, 2, 1),
+        ("fsdp", 2, 2, 1),
+        ("fsdp", 4, 1, 1),
+        ("tp", 1, 1, 2),
+        ("tp", 1, 1, 4),
+        ("tp", 2, 1, 2),
     ]
     reasons = {c.key: r for c, r in ((p.candidate, p.reason) for p in pruned)}
     assert any("workers (1) is not divisible by tp (2)" in r for r in reasons.values())

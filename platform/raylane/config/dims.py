@@ -81,11 +81,10 @@ class ParallelDims:
         strategy, workers = par.strategy, par.workers
         if strategy in ("tp", "fsdp"):
             dp = workers // par.tp if par.dp == 1 and par.pp == 1 else par.dp
-            if strategy == "fsdp":  # with pp > 1: every stage sharded over the dp workers
-                return cls(dp_shard=dp, pp=par.pp, tp=par.tp)
-            return cls(dp_replicate=dp, tp=par.tp, sync=Sync(compression=par.grad_compression))
-        if strategy in ("pipeline", "hybrid"):
-            return cls(dp_replicate=par.dp, pp=par.pp, tp=par.tp)
+        elif strategy in ("pipeline", "hybrid"):
+            dp = par.dp
+        else:
+            dp = workers
         if strategy == "local_sgd":
             sync = Sync("periodic_average", period=par.local_sgd_period)
         elif strategy in ("async", "ssp"):
@@ -93,7 +92,49 @@ class ParallelDims:
             sync = Sync("parameter_server", staleness=staleness, shards=par.ps_shards)
         else:
             sync = Sync(compression=par.grad_compression)
-        return cls(dp_replicate=workers, sync=sync)
+        return cls.preset(strategy, dp=dp, pp=par.pp, tp=par.tp, sync=sync)
+
+    @classmethod
+    def preset(
+        cls, strategy: str, *, dp: int, pp: int = 1, tp: int = 1, sync: Sync | None = None
+    ) -> ParallelDims:
+        """The layout strategy `strategy` names with `dp` data-parallel workers: 'fsdp' shards
+        over them (each stage's, with pp > 1), every other name replicates."""
+        sync = sync or Sync()
+        if strategy == "fsdp":
+            return cls(dp_shard=dp, pp=pp, tp=tp)
+        if strategy in ("tp", "pipeline", "hybrid"):
+            return cls(dp_replicate=dp, pp=pp, tp=tp, sync=sync)
+        return cls(dp_replicate=dp, sync=sync)
+
+    @property
+    def preset_name(self) -> str:
+        """The config strategy name that resolves to this layout (`preset`'s inverse)."""
+        if self.sync.kind == "periodic_average":
+            return "local_sgd"
+        if self.sync.kind == "parameter_server":
+            return "async" if self.sync.staleness is None else "ssp"
+        if self.dp_shard > 1:
+            return "fsdp"
+        if self.pp > 1:
+            return "hybrid" if self.dp_replicate > 1 else "pipeline"
+        return "tp" if self.tp > 1 else "ddp"
+
+    @classmethod
+    def candidates(cls, devices: int, tps: list[int], pps: list[int]) -> list[ParallelDims]:
+        """Every layout of exactly `devices` workers with tp in `tps` and pp in `pps`: for each
+        (pp, tp) that divides the devices, the data-parallel workers replicated, and (with more
+        than one) sharded instead. The planner and Tune enumerate these."""
+        found = []
+        for tp in tps:
+            for pp in pps:
+                if devices % (tp * pp):
+                    continue
+                dp = devices // (tp * pp)
+                found.append(cls(dp_replicate=dp, pp=pp, tp=tp))
+                if dp > 1:
+                    found.append(cls(dp_shard=dp, pp=pp, tp=tp))
+        return found
 
     @property
     def world_size(self) -> int:

@@ -13,7 +13,9 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
+from torch.nn import Module
+from torch.optim import Optimizer
 
 from raylane.parallel.meters import ActivationMeter
 
@@ -59,13 +61,8 @@ class ParallelStrategy(Protocol):
         ...
 
     def train_step(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-    ) -> torch.Tensor | None:
+        self, model: Module, optimizer: Optimizer, loss_fn: LossFn, inputs: Tensor, targets: Tensor
+    ) -> Tensor | None:
         """Forward, backward and optimizer step on one batch; the loss where `reports_loss`."""
         ...
 
@@ -116,13 +113,8 @@ class StrategyDefaults:
         return 0.0
 
     def train_step(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-    ) -> torch.Tensor:
+        self, model: Module, optimizer: Optimizer, loss_fn: LossFn, inputs: Tensor, targets: Tensor
+    ) -> Tensor:
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         loss = loss_fn(model(inputs.to(self.device)), targets.to(self.device))

@@ -18,8 +18,10 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
+from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.nn import Module
+from torch.optim import Optimizer
 
 from raylane.config import RaylaneConfig
 from raylane.config.dims import ParallelDims
@@ -109,13 +111,8 @@ class PipelineParallel(StrategyDefaults):
         return getattr(self._schedule, method)(*args, **kwargs)
 
     def train_step(
-        self,
-        model: nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loss_fn: LossFn,
-        inputs: torch.Tensor,
-        targets: torch.Tensor,
-    ) -> torch.Tensor | None:
+        self, model: Module, optimizer: Optimizer, loss_fn: LossFn, inputs: Tensor, targets: Tensor
+    ) -> Tensor | None:
         self._schedule_for(loss_fn)
         optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []

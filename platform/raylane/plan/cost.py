@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raylane.config.dims import ParallelDims
 from raylane.plan.hardware import Cluster, Precision
 from raylane.plan.memory import FP32_ADAM, MIXED_PRECISION_ADAM, GPTShape, ModelState, sharded_state
 
@@ -34,21 +35,41 @@ MEMORY_HEADROOM = 0.9
 
 @dataclass(frozen=True)
 class Layout:
-    strategy: str  # ddp, fsdp, tp, pipeline, hybrid
-    dp: int
-    tp: int = 1
-    pp: int = 1
+    """A layout to predict: its degrees (`ParallelDims`) and how a pipeline drives it."""
+
+    dims: ParallelDims
     microbatches: int = 1
     schedule: str = "1f1b"
     activation_checkpointing: bool = False
 
+    @classmethod
+    def of(cls, strategy: str, dp: int, tp: int = 1, pp: int = 1, **settings) -> Layout:
+        """The layout a config's strategy name and degrees resolve to."""
+        return cls(ParallelDims.preset(strategy, dp=dp, pp=pp, tp=tp), **settings)
+
+    @property
+    def strategy(self) -> str:
+        return self.dims.preset_name
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
     @property
     def workers(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dims.world_size
 
     @property
     def zero_stage(self) -> int:
-        return 3 if self.strategy == "fsdp" else 0
+        return 3 if self.dims.fsdp_enabled else 0
 
     def describe(self) -> str:
         parts = [self.strategy, f"dp{self.dp}"]
@@ -179,8 +200,13 @@ def _comm_s(
     dp_link = inter if layout.workers > spec.devices_per_node else intra
     passes = 3.0 if layout.zero_stage == 3 else 2.0
     dp_total = _ring_s(params * work.value_bytes, layout.dp, dp_link, latency, passes)
-    overlapped = layout.strategy in ("ddp", "fsdp")
-    dp_comm = max(dp_total - compute * 2 / 3, 0.0) if overlapped else dp_total
+    # Overlapped with backward where it runs per block as backward goes (DDP's buckets, FSDP's
+    # reduce-scatters: in a pipeline, during the last micro-batch's backward); after it for
+    # tensor-parallel and pipeline replicas, which average once backward is over.
+    dims = layout.dims
+    overlapped = dims.fsdp_enabled or not (dims.tp_enabled or dims.pp_enabled)
+    window = compute * 2 / 3 / layout.microbatches
+    dp_comm = max(dp_total - window, 0.0) if overlapped else dp_total
 
     # Pipeline: each micro-batch's activations forward and gradients back across a boundary.
     pp_link = inter if layout.tp * layout.pp > spec.devices_per_node else intra

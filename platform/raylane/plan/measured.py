@@ -148,7 +148,7 @@ class _Shape:
         rows = cfg.training.batch_size / micro
         block_params, ends_params = profile["block_params"], profile["ends_params"]
         params_held = (model.n_layers / pp) * block_params / tp + ends_params / pp
-        if par.strategy == "fsdp":  # the stage's (or whole model's) share, over its dp shards
+        if dims.fsdp_enabled:  # the stage's (or whole model's) share, over its dp shards
             params_held /= dp
         return cls(
             level=_level(profile, par.workers), pp=pp, tp=tp, dp=dp, pipelined=dims.pp_enabled,
@@ -207,18 +207,20 @@ def _sync_comm(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
     ddp_wait = _fit(level["ddp_wait"], shape.rows) if "ddp_wait" in level else 0.0
     model_bytes = _FP32 * (layers * block_params + ends_params)
     skew = max(ddp_wait - _link(level.get("all_reduce"), model_bytes), 0.0)
-    if par.strategy == "ddp":
-        saved = (1 - _compression_ratio(cfg)) * _link_bytes(ring, grad_bytes)
-        return max(ddp_wait - saved, 0.0) if dp > 1 else 0.0
-    if par.strategy == "fsdp":
-        return 1.5 * _link(ring, grad_bytes) + (skew if dp > 1 else 0.0)
-    if par.strategy in ("async", "ssp"):
+    dims = ParallelDims.from_parallelism(par)
+    if dims.sync.kind == "parameter_server":
         # Push the gradient, pull the weights: two point-to-point transfers of the model.
         return 2 * _link(profile.get("p2p"), grad_bytes)
-    if par.strategy == "local_sgd":
-        return (_link(ring, grad_bytes) + skew) / par.local_sgd_period
-    # tp, pipeline, hybrid: gradients averaged after backward
-    return _link(ring, grad_bytes) + (skew if par.workers > 1 else 0.0)
+    if dims.sync.kind == "periodic_average":
+        return (_link(ring, grad_bytes) + skew) / dims.sync.period
+    if dims.fsdp_enabled:  # reduce-scatter, and the all-gathers forward and backward
+        return 1.5 * _link(ring, grad_bytes) + skew
+    if dims.tp_enabled or dims.pp_enabled:  # gradients averaged (compressed) after backward
+        sent = _link(ring, grad_bytes * _compression_ratio(cfg))
+        return sent + (skew if par.workers > 1 else 0.0)
+    # DDP: what backward waits for after its last bucket, less what compression saves.
+    saved = (1 - _compression_ratio(cfg)) * _link_bytes(ring, grad_bytes)
+    return max(ddp_wait - saved, 0.0) if dp > 1 else 0.0
 
 
 def _peak_memory_mb(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raylane.config import RaylaneConfig
+from raylane.config.dims import ParallelDims
 from raylane.plan.cost import DEFAULT_EFFICIENCY, Layout, Prediction, Workload, predict
 from raylane.plan.hardware import Cluster, Precision
 from raylane.plan.memory import GPTShape
@@ -32,30 +33,21 @@ def _divisors(n: int) -> list[int]:
 
 
 def layouts(work: Workload, devices: int, devices_per_node: int) -> list[Layout]:
-    """Layouts of exactly `devices` workers that raylane's strategies can run."""
+    """Layouts of exactly `devices` workers that raylane's strategies can run: every
+    `ParallelDims` candidate (tp within a node, pp dividing the blocks) whose data-parallel
+    workers split the batch, with and without activation checkpointing, and with each
+    micro-batch count a pipeline's rows allow."""
     found = []
     tps = [t for t in _divisors(devices_per_node) if work.n_heads % t == 0]
     pps = [p for p in _divisors(work.shape.n_layers) if p <= devices]
-    for tp in tps:
-        for pp in pps:
-            if devices % (tp * pp):
-                continue
-            dp = devices // (tp * pp)
-            if work.global_batch % dp:
-                continue
-            rows = work.global_batch // dp
-            for checkpointing in (False, True):
-                if pp == 1:
-                    strategies = ["fsdp", "tp"] if tp > 1 else ["ddp", "fsdp"]
-                    for strategy in strategies:
-                        if strategy != "tp" or tp > 1:
-                            found.append(Layout(strategy, dp, tp, 1, 1, "1f1b", checkpointing))
-                    continue
-                strategy = "pipeline" if dp == 1 else "hybrid"
-                for factor in MICROBATCH_FACTORS:
-                    micro = pp * factor
-                    if rows % micro == 0:
-                        found.append(Layout(strategy, dp, tp, pp, micro, "1f1b", checkpointing))
+    for dims in ParallelDims.candidates(devices, tps, pps):
+        if work.global_batch % dims.dp:
+            continue
+        rows = work.global_batch // dims.dp
+        micros = [dims.pp * f for f in MICROBATCH_FACTORS if rows % (dims.pp * f) == 0]
+        for checkpointing in (False, True):
+            for micro in micros if dims.pp_enabled else [1]:
+                found.append(Layout(dims, micro, "1f1b", checkpointing))
     return found
 
 

@@ -84,7 +84,10 @@ def _layouts(
         return [(workers // pp, pp, 1) for pp in pps if workers % pp == 0] or [(workers, 1, 1)]
     if strategy in SHARDED:
         degrees = sorted({1, *tps}) if strategy == "fsdp" else tps
-        return [(max(workers // tp, 1), 1, tp) for tp in degrees]
+        found = [(max(workers // tp, 1), 1, tp) for tp in degrees]
+        if strategy == "fsdp":  # and every pipeline stage sharded over its dp workers
+            found += [(workers // pp, pp, 1) for pp in pps if pp > 1 and workers % pp == 0]
+        return [(dp, pp, tp) for dp, pp, tp in found if pp == 1 or dp > 1]
     return [(workers, 1, 1)]
 
 
@@ -96,14 +99,16 @@ def enumerate_candidates(spec: TuneSpec) -> tuple[list[Candidate], list[Pruned]]
     seen: set[str] = set()
     extra_keys = list(space.extra)
     for strategy, workers in itertools.product(space.strategy, space.workers):
-        pipelined = strategy in PIPELINED
-        for (dp, pp, tp), micro, batch, compression, ac, *extra in itertools.product(
-            _layouts(strategy, workers, space.pp, space.tp),
-            space.microbatches if pipelined else [1],
-            space.batch_size,
-            space.grad_compression,
-            space.activation_checkpointing,
-            *(space.extra[k] for k in extra_keys),
+        for (dp, pp, tp), micro, batch, compression, ac, *extra in (
+            (layout, *rest)
+            for layout in _layouts(strategy, workers, space.pp, space.tp)
+            for rest in itertools.product(
+                space.microbatches if strategy in PIPELINED or layout[1] > 1 else [1],
+                space.batch_size,
+                space.grad_compression,
+                space.activation_checkpointing,
+                *(space.extra[k] for k in extra_keys),
+            )
         ):
             candidate = Candidate(
                 {
