@@ -333,3 +333,49 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_goes_on(model)
     events, engine = asyncio.run(scenario())
     assert events[-1].finished and len(events[-1].sequence.output) == 3
     assert sorted(engine.free) == [0, 1]
+
+
+def test_deploy_refuses_a_registered_draft_whose_recorded_context_is_shorter(tmp_path):
+    """Checked on the two versions' recorded configs in a real MLflow store, before deploying:
+    a draft of the same context passes, one of a shorter context is named with the reason."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from raylane.config import load_config
+    from raylane.serving.app import check_draft_model
+    from raylane.tracking.runs import CONFIG_ARTIFACT
+    from tests.readme_blocks import ROOT
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    mlflow.set_tracking_uri(uri)
+    client = MlflowClient(uri)
+    base = ROOT / "configs" / "train" / "lm_serve.yaml"
+
+    def register(name: str, *overrides: str) -> None:
+        cfg = load_config(base, list(overrides))
+        written = tmp_path / name / CONFIG_ARTIFACT
+        written.parent.mkdir(parents=True)
+        written.write_text(cfg.model_dump_json())  # JSON is YAML
+        with mlflow.start_run() as run:
+            mlflow.log_artifact(str(written), artifact_path="config")
+        if not client.search_registered_models(f"name = '{name}'"):
+            client.create_registered_model(name)
+        client.create_model_version(name, f"runs:/{run.info.run_id}/model", run.info.run_id)
+
+    served = load_config(base, ["tracking.tracking_uri=" + uri])
+    register(served.tracking.registered_model)
+    register("lm-draft-same")
+    register("lm-draft-short", f"model.input_dim={served.model.input_dim // 2}")
+
+    def with_draft(name: str):
+        return load_config(base, [
+            f"tracking.tracking_uri={uri}", "serving.generation.speculate=4",
+            f"serving.generation.draft_model=models:/{name}/1",
+        ])  # fmt: skip
+
+    check_draft_model(with_draft("lm-draft-same"), uri, 1)
+    with pytest.raises(ValueError, match=re.escape(
+        f"models:/lm-draft-short/1 (v1) cannot draft for {served.tracking.registered_model} v1: "
+        f"the draft's context ({served.model.input_dim // 2} tokens) is shorter"
+    )):  # fmt: skip
+        check_draft_model(with_draft("lm-draft-short"), uri, 1)

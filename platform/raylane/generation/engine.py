@@ -302,19 +302,31 @@ class GenerationEngine:
         return sequence
 
 
-def _check_draft(model: torch.nn.Module, draft: torch.nn.Module, speculate: int) -> None:
-    """Raise ValueError unless `draft` can propose tokens for `model`: speculation on, the same
-    vocabulary, and a context at least as long."""
-    if speculate < 1:
-        raise ValueError("a draft model needs speculate >= 1 (the tokens it proposes per step)")
-    vocab, draft_vocab = model.tok_emb.num_embeddings, draft.tok_emb.num_embeddings
+def draft_mismatch(vocab: int, context: int, draft_vocab: int, draft_context: int) -> str | None:
+    """Why a draft of `draft_vocab` tokens and `draft_context` positions cannot propose for a
+    model of `vocab` and `context`, or None (the same vocabulary, a context at least as long).
+    Checked on the modules here and on the registered configs before a deploy."""
     if vocab != draft_vocab:
-        raise ValueError(f"the draft's vocabulary is {draft_vocab} tokens, the model's {vocab}")
-    context, draft_context = model.pos_emb.num_embeddings, draft.pos_emb.num_embeddings
+        return f"the draft's vocabulary is {draft_vocab} tokens, the model's {vocab}"
     if draft_context < context:
-        raise ValueError(
+        return (
             f"the draft's context ({draft_context} tokens) is shorter than the model's ({context})"
         )
+    return None
+
+
+def _check_draft(model: torch.nn.Module, draft: torch.nn.Module, speculate: int) -> None:
+    """Raise ValueError unless `draft` can propose tokens for `model` (speculation on)."""
+    if speculate < 1:
+        raise ValueError("a draft model needs speculate >= 1 (the tokens it proposes per step)")
+    problem = draft_mismatch(
+        model.tok_emb.num_embeddings,
+        model.pos_emb.num_embeddings,
+        draft.tok_emb.num_embeddings,
+        draft.pos_emb.num_embeddings,
+    )
+    if problem:
+        raise ValueError(problem)
 
 
 def propose_ngram(tokens: list[int], k: int, longest: int = 3) -> list[int]:

@@ -33,33 +33,39 @@ def load_language_model(
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from raylane.config import load_config
     from raylane.inference import resolve_version
     from raylane.models import build_model
-    from raylane.tracking.runs import CONFIG_ARTIFACT
 
     client = MlflowClient(tracking_uri=tracking_uri)
     found = resolve_version(client, tracking_uri, registered_model, alias, version)
-    cfg = load_config(Path(client.download_artifacts(found.run_id, CONFIG_ARTIFACT)))
-    if cfg.model.kind != "gpt":
+    model_cfg = recorded_model_config(client, found.run_id)
+    if model_cfg.kind != "gpt":
         raise ValueError(
-            f"{registered_model} v{found.version} is a {cfg.model.kind!r} model; "
+            f"{registered_model} v{found.version} is a {model_cfg.kind!r} model; "
             "generation needs a 'gpt' language model"
         )
     mlflow.set_tracking_uri(tracking_uri)
     exported = mlflow.pytorch.load_model(
         f"models:/{registered_model}/{found.version}", map_location="cpu"
     )
-    model = build_model(cfg.model)
+    model = build_model(model_cfg)
     model.load_state_dict(exported.state_dict())
     card = LanguageModelCard(
         registered_model,
         int(found.version),
         found.run_id,
-        cfg.model.input_dim,
+        model_cfg.input_dim,
         sum(p.numel() for p in model.parameters()),
     )
     return model.eval(), card
+
+
+def recorded_model_config(client, run_id: str):
+    """The `model:` section of the config run `run_id` recorded (its architecture)."""
+    from raylane.config import load_config
+    from raylane.tracking.runs import CONFIG_ARTIFACT
+
+    return load_config(Path(client.download_artifacts(run_id, CONFIG_ARTIFACT))).model
 
 
 def load_draft_model(tracking_uri: str, uri: str):

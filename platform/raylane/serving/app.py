@@ -93,22 +93,39 @@ def resolve_served_version(cfg: RaylaneConfig, tracking_uri: str) -> int:
     return int(found.version)
 
 
-def check_draft_model(cfg: RaylaneConfig, tracking_uri: str) -> None:
-    """The registry holds `serving.generation.draft_model` (when one is named).
+def check_draft_model(cfg: RaylaneConfig, tracking_uri: str, version: int) -> None:
+    """The registry holds `serving.generation.draft_model` (when one is named), and its
+    recorded architecture can propose for served `version`'s: the same vocabulary and a
+    context at least as long (read from both runs' configs, before anything is deployed).
 
     Raises:
         ModelNotFoundError: naming the draft's version or alias and the store.
+        ValueError: naming the draft and why it cannot propose for the served model.
     """
-    if cfg.serving.generation.draft_model is None:
+    uri = cfg.serving.generation.draft_model
+    if uri is None:
         return
     from mlflow.tracking import MlflowClient
 
     from raylane.config.model_uri import parse_model_uri
+    from raylane.generation.engine import draft_mismatch
+    from raylane.generation.loader import recorded_model_config
     from raylane.inference import resolve_version
 
-    ref = parse_model_uri(cfg.serving.generation.draft_model)
+    ref = parse_model_uri(uri)
     client = MlflowClient(tracking_uri=tracking_uri)
-    resolve_version(client, tracking_uri, ref.name, ref.alias, ref.version)
+    found = resolve_version(client, tracking_uri, ref.name, ref.alias, ref.version)
+    draft = recorded_model_config(client, found.run_id)
+    served_run = client.get_model_version(cfg.tracking.registered_model, str(version)).run_id
+    served = recorded_model_config(client, served_run)
+    problem = draft_mismatch(
+        served.num_classes, served.input_dim, draft.num_classes, draft.input_dim
+    )
+    if problem:
+        raise ValueError(
+            f"serving.generation.draft_model {uri} (v{found.version}) cannot draft for "
+            f"{cfg.tracking.registered_model} v{version}: {problem}"
+        )
 
 
 def app_builder(args: dict[str, Any]):
@@ -122,7 +139,7 @@ def app_builder(args: dict[str, Any]):
     cfg = load_config(args.get("config", DEFAULT_CONFIG), list(args.get("overrides", [])))
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     version = resolve_served_version(cfg, tracking_uri)
-    check_draft_model(cfg, tracking_uri)
+    check_draft_model(cfg, tracking_uri, version)
     return build_app(cfg, tracking_uri, version, load_api_key_for(cfg))
 
 
@@ -162,6 +179,7 @@ def deploy(cfg: RaylaneConfig) -> tuple[str, int]:
     Raises:
         ModelNotFoundError: the pinned version, the champion alias or the draft model does
             not exist (checked before anything is deployed).
+        ValueError: the draft model cannot propose for the served model.
         ApiKeyError: `serving.api_key_file` is set but unreadable or empty.
     """
     from ray import serve
@@ -171,7 +189,7 @@ def deploy(cfg: RaylaneConfig) -> tuple[str, int]:
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     check_tracking_reachable(tracking_uri)
     version = resolve_served_version(cfg, tracking_uri)
-    check_draft_model(cfg, tracking_uri)
+    check_draft_model(cfg, tracking_uri, version)
     api_key = load_api_key_for(cfg)
     app = build_app(cfg, tracking_uri, version, api_key)
     serve.start(http_options={"host": cfg.serving.host, "port": cfg.serving.port})
