@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: install quickstart test test-unit lint format bench clean
+.PHONY: install quickstart test test-unit lint graph format bench clean
 
 install: $(STAMP)
 
@@ -28,6 +28,9 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	PYTHONPATH=platform $(BIN)/lint-imports
+
+graph: install
+	PYTHONPATH=platform $(BIN)/python tools/import_graph.py
 
 format: install
 	$(BIN)/ruff format .

@@ -33,3 +33,15 @@ def test_a_lower_layer_importing_a_higher_one_breaks_the_contract(tmp_path):
     )  # fmt: skip
     assert done.returncode == 1, done.stdout + done.stderr
     assert "raylane.tracking.cluster -> raylane.train.trainer" in done.stdout
+
+
+def test_the_import_graph_draws_the_layout_parts_and_their_order():
+    sys.path.insert(0, str(ROOT / "tools"))
+    from import_graph import LAYOUT, mermaid
+
+    drawn = mermaid(LAYOUT)
+    # parallelize applies the model's own plan; every reader of the layout reads one type.
+    assert "raylane_parallel_parallelize --> raylane_models_gpt_plan" in drawn
+    for reader in ("parallel_mesh", "plan_cost", "plan_measured", "plan_search"):
+        assert f"raylane_{reader} --> raylane_config_dims" in drawn, reader
+    assert "raylane_config_dims -->" not in drawn  # the layout type imports none of them
