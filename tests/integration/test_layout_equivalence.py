@@ -15,6 +15,8 @@ the same SGD (`training.optimizer`, `lr`, no weight decay)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch.nn import functional as F
@@ -54,7 +56,12 @@ LAYOUTS = {
     # DDP's hook and through tensor-parallel replicas' flat gradient shards.
     "ddp2-fp16": {"strategy": "ddp", "dp": 2, "grad_compression": "fp16"},
     "tp2-dp2-fp16": {"strategy": "tp", "tp": 2, "dp": 2, "grad_compression": "fp16"},
+    # LoRA fine-tuning: the base frozen, rank-4 adapters in q and v trained, replicated (DDP
+    # skips the frozen weights) and sharded (FSDP2 over frozen and trainable parameters).
+    "ddp2-lora": {"strategy": "ddp", "dp": 2, "lora": True},
+    "fsdp2-lora": {"strategy": "fsdp", "tp": 1, "dp": 2, "lora": True},
 }
+LORA = {"base": "models:/equivalence-base/1", "rank": 4, "target_modules": ["q", "v"]}
 
 
 def _config(layout: dict):
@@ -64,7 +71,10 @@ def _config(layout: dict):
         if key == "activation_checkpointing"
         else f"parallelism.{key}={value}"
         for key, value in layout.items()
+        if key != "lora"
     ]
+    if layout.get("lora"):
+        overrides += [f"finetune.{key}={json.dumps(value)}" for key, value in LORA.items()]
     if "pp" not in layout:
         overrides.append("parallelism.pp=1")
     return load_config(
@@ -98,8 +108,8 @@ def _reference(cfg, batches, dp: int = 1):
     gradient compression, on the `dp` replicas' gradients averaged as the compressed all-reduce
     averages them (each halved in fp16, summed in fp16)."""
     torch.manual_seed(cfg.training.seed)
-    model = build_model(cfg.model)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    model = _plain_model(cfg)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     compression = cfg.parallelism.grad_compression
     losses = []
     for batch in batches:
@@ -113,6 +123,17 @@ def _reference(cfg, batches, dp: int = 1):
             losses.append(_fp16_averaged_backward(model, batch.chunk(dp)))
         optimizer.step()
     return losses, model.state_dict()
+
+
+def _plain_model(cfg):
+    """The model a layout starts from: the GPT, with LoRA adapters for a fine-tuning layout
+    (its random initialisation standing in for a registered base)."""
+    model = build_model(cfg.model)
+    if cfg.finetune is not None:
+        from raylane.models.adapters import apply_lora
+
+        apply_lora(model, cfg.finetune)
+    return model
 
 
 def _loss(model, batch):
@@ -166,8 +187,8 @@ def _layout_worker(config, batches):
     torch.set_num_threads(1)
     torch.manual_seed(cfg.training.seed)
     strategy = get_strategy(cfg, rank)
-    model = strategy.wrap_model(build_model(cfg.model))
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    model = strategy.wrap_model(_plain_model(cfg))
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     replica = dist.get_rank() if strategy.splits_dataset else strategy.data_rank
     rows = cfg.training.batch_size
     losses = []

@@ -129,7 +129,8 @@ def test_block_commands_parse_and_their_configs_validate(block):
 
 USAGE_FILES = sorted(
     [*ROOT.glob("configs/train/*.yaml"), *ROOT.glob("configs/tune/*.yaml"),
-     *ROOT.glob("configs/plan/*.yaml"), *ROOT.glob("configs/clusters/*.yaml"),
+     *ROOT.glob("configs/finetune/*.yaml"), *ROOT.glob("configs/plan/*.yaml"),
+     *ROOT.glob("configs/clusters/*.yaml"),
      *ROOT.glob("pipelines/[!_]*.py"), ROOT / "serving" / "app.py"]
 )  # fmt: skip
 

@@ -1,8 +1,10 @@
-"""`raylane validate`, `prepare`, `train`, `quickstart` and `runtime-env` (for `ray job submit`)."""
+"""`raylane validate`, `prepare`, `train`, `finetune`, `quickstart` and `runtime-env` (for
+`ray job submit`)."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -72,6 +74,42 @@ def train(
         check_run_inputs(cfg)  # resume checkpoint and tracking store, before Ray starts
     with on_ray(phases=phases):
         outcome = run_training(cfg, resume_run_id=resume, phases=phases)
+    _print_outcome(cfg, outcome)
+    record_phases(outcome, phases)
+    console.print(phases.line(), highlight=False, soft_wrap=True)
+
+
+@app.command()
+def finetune(
+    config: Annotated[
+        Path, typer.Option("--config", "-c", help="A config with a `finetune:` section.")
+    ] = Path("configs/finetune/lm_lora.yaml"),
+    overrides: SetOption = None,
+    verbose: VerboseOption = False,
+) -> None:
+    """Fine-tune a registered model (LoRA or every weight) on Ray Train; register the result
+    against its base."""
+    setup_logging(verbose)
+    cfg = load(config, overrides)
+    if cfg.finetune is None:
+        raise fail(f"{config}: no finetune: section (raylane train trains from scratch)")
+    from raylane.tracking import resolve_tracking_uri
+    from raylane.tracking.lineage import resolve_base
+    from raylane.train.job import check_run_inputs, record_phases, run_training
+    from raylane.train.phases import PhaseClock
+
+    phases = PhaseClock()
+    with user_mistakes(ValueError), phases.phase("preflight"):
+        check_run_inputs(cfg)  # the tracking store and the base, before Ray starts
+        with console.status(f"loading the base model {cfg.finetune.base}"):
+            base = resolve_base(cfg, resolve_tracking_uri(cfg.tracking.tracking_uri))
+    console.print(
+        f"base: {base.name} v{base.version} (weights {base.digest[:12]}), "
+        f"method {cfg.finetune.method}",
+        highlight=False,
+    )
+    with on_ray(phases=phases):
+        outcome = run_training(cfg, phases=phases, base=base)
     _print_outcome(cfg, outcome)
     record_phases(outcome, phases)
     console.print(phases.line(), highlight=False, soft_wrap=True)

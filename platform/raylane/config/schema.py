@@ -13,14 +13,15 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from raylane.config.finetune import FINETUNE_STRATEGIES, FinetuneConfig
 from raylane.config.parallelism import ParallelismConfig, StragglerConfig, Strategy
 from raylane.config.serving import AutoscalingConfig, GenerationConfig, ServingConfig
 from raylane.config.strict import StrictModel
 
 __all__ = [
-    "AutoscalingConfig", "DataConfig", "GenerationConfig", "ModelConfig", "ParallelismConfig",
-    "RaylaneConfig", "ServingConfig", "StragglerConfig", "Strategy", "StrictModel",
-    "TrackingConfig", "TrainingConfig",
+    "AutoscalingConfig", "DataConfig", "FinetuneConfig", "GenerationConfig", "ModelConfig",
+    "ParallelismConfig", "RaylaneConfig", "ServingConfig", "StragglerConfig", "Strategy",
+    "StrictModel", "TrackingConfig", "TrainingConfig",
 ]  # fmt: skip
 
 DIGITS_FEATURES = 64
@@ -28,12 +29,13 @@ DIGITS_CLASSES = 10
 
 
 class DataConfig(StrictModel):
-    source: Literal["sklearn-digits", "python-stdlib", "parquet"] = Field(
+    source: Literal["sklearn-digits", "python-stdlib", "python-stdlib-tests", "parquet"] = Field(
         "sklearn-digits",
-        description="Where the data comes from. 'sklearn-digits' (8x8 digit images) and "
-        "'python-stdlib' (byte windows of the Python standard library's source, for language "
-        "models) are materialised to Parquet by `raylane prepare` (or on first use); 'parquet' "
-        "reads existing files you provide.",
+        description="Where the data comes from. 'sklearn-digits' (8x8 digit images), "
+        "'python-stdlib' (byte windows of the Python standard library's top-level modules, for "
+        "language models) and 'python-stdlib-tests' (its test suite, `test/test_*.py`: text "
+        "no 'python-stdlib' run has seen, for fine-tuning) are materialised to Parquet by "
+        "`raylane prepare` (or on first use); 'parquet' reads existing files you provide.",
     )
     train_path: Path = Field(
         Path("data/digits/train.parquet"),
@@ -215,6 +217,9 @@ class RaylaneConfig(StrictModel):
     )
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow.")
     serving: ServingConfig = Field(default_factory=ServingConfig, description="Ray Serve endpoint.")
+    finetune: FinetuneConfig | None = Field(
+        None, description="Start from a registered model and adapt it (`raylane finetune`)."
+    )
 
     @model_validator(mode="after")
     def _check_parallel_layout(self) -> RaylaneConfig:
@@ -224,17 +229,34 @@ class RaylaneConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _check_finetune(self) -> RaylaneConfig:
+        if self.finetune is None:
+            return self
+        if self.model.kind != "gpt":
+            raise ValueError(
+                f"finetune adapts a registered gpt language model; model.kind is "
+                f"'{self.model.kind}'"
+            )
+        strategy = self.parallelism.strategy
+        if strategy not in FINETUNE_STRATEGIES or self.parallelism.pp > 1:
+            raise ValueError(
+                f"finetune runs on strategy 'ddp' or 'fsdp' without pipeline stages (got "
+                f"'{strategy}', pp {self.parallelism.pp})"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_dataset_matches_model(self) -> RaylaneConfig:
-        if self.data.source == "python-stdlib":
+        if self.data.source in ("python-stdlib", "python-stdlib-tests"):
             if self.model.kind != "gpt":
                 raise ValueError(
-                    f"data.source 'python-stdlib' is token data: model.kind must be 'gpt', "
-                    f"not '{self.model.kind}'"
+                    f"data.source '{self.data.source}' is token data: model.kind must be "
+                    f"'gpt', not '{self.model.kind}'"
                 )
             if self.model.num_classes != 256:
                 raise ValueError(
-                    f"model.num_classes is {self.model.num_classes} but python-stdlib is "
-                    "byte-level (256 tokens)"
+                    f"model.num_classes is {self.model.num_classes} but {self.data.source} "
+                    "is byte-level (256 tokens)"
                 )
         if self.serving.api == "generate" and self.model.kind != "gpt":
             raise ValueError(

@@ -133,7 +133,7 @@ def ensure_dataset(cfg: RaylaneConfig) -> tuple[DatasetInfo, DatasetInfo]:
 
         with long_step("preparing the digits dataset"):
             prepare_digits(data)
-    elif missing and data.source == "python-stdlib":
+    elif missing and data.source in ("python-stdlib", "python-stdlib-tests"):
         from raylane.data.text import prepare_stdlib_text
 
         with long_step("preparing the standard-library text dataset"):

@@ -18,11 +18,16 @@ from raylane.config import RaylaneConfig
 MANIFEST = "manifest.json"
 
 
-def stdlib_source_files(max_bytes: int) -> list[Path]:
-    """Top-level `*.py` files of the standard library in sorted order, up to `max_bytes`."""
+#: The files of each built-in text source, under the standard library's directory: its
+#: top-level modules, and its test suite (which no 'python-stdlib' run reads: a new domain).
+SOURCES = {"python-stdlib": "*.py", "python-stdlib-tests": "test/test_*.py"}
+
+
+def stdlib_source_files(max_bytes: int, source: str = "python-stdlib") -> list[Path]:
+    """The `source`'s `*.py` files of the standard library in sorted order, up to `max_bytes`."""
     root = Path(sysconfig.get_paths()["stdlib"])
     chosen, total = [], 0
-    for path in sorted(root.glob("*.py")):
+    for path in sorted(root.glob(SOURCES[source])):
         size = path.stat().st_size
         if total + size > max_bytes and chosen:
             break
@@ -48,7 +53,7 @@ def prepare_stdlib_text(cfg: RaylaneConfig) -> tuple[int, int]:
     from raylane.data.prepare import write_split
 
     data = cfg.data
-    files = stdlib_source_files(data.max_bytes)
+    files = stdlib_source_files(data.max_bytes, data.source)
     text = b"".join(path.read_bytes() for path in files)
     inputs, targets = token_windows(text, cfg.model.input_dim)
     order = np.random.default_rng(data.split_seed).permutation(len(inputs))
@@ -57,7 +62,7 @@ def prepare_stdlib_text(cfg: RaylaneConfig) -> tuple[int, int]:
     write_split(data.train_path, inputs[train], targets[train], data)
     write_split(data.validation_path, inputs[val], targets[val], data)
     manifest = {
-        "source": "python-stdlib",
+        "source": data.source,
         "python": platform.python_version(),
         "root": str(files[0].parent),
         "files": [path.name for path in files],

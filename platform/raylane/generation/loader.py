@@ -8,7 +8,8 @@ the `GPT`, and the program's weights are loaded into it by name.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+
+from raylane.tracking.lineage import recorded_model_config
 
 
 @dataclass(frozen=True)
@@ -21,20 +22,25 @@ class LanguageModelCard:
 
 
 def load_language_model(
-    tracking_uri: str, registered_model: str, version: int | None, alias: str = ""
+    tracking_uri: str,
+    registered_model: str,
+    version: int | None,
+    alias: str = "",
+    *,
+    merge: bool = True,
 ):
     """`(GPT in eval mode, LanguageModelCard)` for registry `version` (or, when it is None,
-    the version holding `alias`).
+    the version holding `alias`). A LoRA adapter's version is its base with the adapter
+    loaded, folded into the weights unless `merge` is off.
 
     Raises:
-        ModelNotFoundError: no such version or alias.
+        ModelNotFoundError: no such version or alias (or the adapter's base is gone).
         ValueError: the version is not a GPT (generation needs one).
     """
-    import mlflow
     from mlflow.tracking import MlflowClient
 
     from raylane.inference import resolve_version
-    from raylane.models import build_model
+    from raylane.tracking.lineage import adapter_of
 
     client = MlflowClient(tracking_uri=tracking_uri)
     found = resolve_version(client, tracking_uri, registered_model, alias, version)
@@ -44,12 +50,11 @@ def load_language_model(
             f"{registered_model} v{found.version} is a {model_cfg.kind!r} model; "
             "generation needs a 'gpt' language model"
         )
-    mlflow.set_tracking_uri(tracking_uri)
-    exported = mlflow.pytorch.load_model(
-        f"models:/{registered_model}/{found.version}", map_location="cpu"
-    )
-    model = build_model(model_cfg)
-    model.load_state_dict(exported.state_dict())
+    adapter = adapter_of(client, found)
+    if adapter is None:
+        model = _whole_model(tracking_uri, registered_model, int(found.version), model_cfg)
+    else:
+        model = _adapted_model(tracking_uri, *adapter, merge=merge)
     card = LanguageModelCard(
         registered_model,
         int(found.version),
@@ -60,12 +65,26 @@ def load_language_model(
     return model.eval(), card
 
 
-def recorded_model_config(client, run_id: str):
-    """The `model:` section of the config run `run_id` recorded (its architecture)."""
-    from raylane.config import load_config
-    from raylane.tracking.runs import CONFIG_ARTIFACT
+def _whole_model(tracking_uri: str, name: str, version: int, model_cfg):
+    import mlflow
 
-    return load_config(Path(client.download_artifacts(run_id, CONFIG_ARTIFACT))).model
+    from raylane.models import build_model
+
+    mlflow.set_tracking_uri(tracking_uri)
+    exported = mlflow.pytorch.load_model(f"models:/{name}/{version}", map_location="cpu")
+    model = build_model(model_cfg)
+    model.load_state_dict(exported.state_dict())
+    return model
+
+
+def _adapted_model(tracking_uri: str, meta: dict, state: dict, *, merge: bool):
+    """The adapter's base (as registered) with the adapter loaded (and merged)."""
+    from raylane.config.finetune import FinetuneConfig
+    from raylane.models.adapters import apply_lora, load_adapter, merge_adapters
+
+    base, _ = load_language_model(tracking_uri, meta["base_model"], meta["base_version"])
+    load_adapter(apply_lora(base, FinetuneConfig.model_validate(meta["finetune"])), state)
+    return merge_adapters(base) if merge else base
 
 
 def load_draft_model(tracking_uri: str, uri: str):

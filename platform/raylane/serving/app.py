@@ -109,8 +109,8 @@ def check_draft_model(cfg: RaylaneConfig, tracking_uri: str, version: int) -> No
 
     from raylane.config.model_uri import parse_model_uri
     from raylane.generation.engine import draft_mismatch
-    from raylane.generation.loader import recorded_model_config
     from raylane.inference import resolve_version
+    from raylane.tracking.lineage import recorded_model_config
 
     ref = parse_model_uri(uri)
     client = MlflowClient(tracking_uri=tracking_uri)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from raylane.config import RaylaneConfig
 from raylane.config.dims import ParallelDims
+from raylane.console import long_step
 from raylane.train.phases import MARK_PREFIX, PhaseClock, marks_from_metrics
 
 log = logging.getLogger("raylane")
@@ -121,6 +122,10 @@ def _final_model(cfg: RaylaneConfig, checkpoint):
     from raylane.train.checkpointing import load_model_state
 
     model = build_model(cfg.model)
+    if cfg.finetune is not None and cfg.finetune.method == "lora":
+        from raylane.models.adapters import apply_lora
+
+        apply_lora(model, cfg.finetune)  # the checkpoint holds base and adapter tensors
     with checkpoint.as_directory() as directory:
         model.load_state_dict(load_model_state(Path(directory)))
     return model.eval()
@@ -133,6 +138,7 @@ def run_training(
     tags: dict[str, str] | None = None,
     resume_run_id: str | None = None,
     phases: PhaseClock | None = None,
+    base=None,
 ) -> TrainingOutcome:
     """Run one training job end to end and return where its results are.
 
@@ -143,7 +149,8 @@ def run_training(
 
     Everything that can fail cheaply (data, tracking store) is checked before Ray starts.
     `phases` collects where the wall time went (`raylane.train.phases`); the run records it
-    as `phase_*_s` metrics.
+    as `phase_*_s` metrics. A fine-tuning run (`finetune:`) starts from `base`
+    (`raylane.tracking.lineage.resolve_base`, resolved here when not given).
     """
     import mlflow
 
@@ -154,6 +161,7 @@ def run_training(
     with phases.phase("preflight"):
         tracking_uri = preflight(cfg)
         digest = dataset_digest(cfg.data.train_path, cfg.data.validation_path)
+        base = base or _resolve_base(cfg, tracking_uri)
     with phases.phase("ray"):
         connect_ray()
     setup_start = time.time()
@@ -162,8 +170,8 @@ def run_training(
     run_name, start = _run_start(cfg, resume_run_id)
     with mlflow.start_run(**start) as run:
         log.info("MLflow run %s in %s", run.info.run_id, tracking_uri)
-        _tag_run(cfg, tags, resume_run_id, digest)
-        trainer = _job_trainer(cfg, run_name, tracking_uri, run.info.run_id)
+        _tag_run(cfg, tags, resume_run_id, digest, base)
+        trainer = _job_trainer(cfg, run_name, tracking_uri, run.info.run_id, base)
         fit_start = time.time()
         phases.add("run_setup", fit_start - setup_start)
         result, metrics = _fit_run(cfg, trainer, tracking_uri, run.info.run_id, register)
@@ -212,8 +220,21 @@ def _record_model(cfg: RaylaneConfig, checkpoint, metrics: dict, register: bool)
     return _log_and_register(final, cfg, metrics) if register else None
 
 
-def _tag_run(cfg: RaylaneConfig, tags, resume_run_id: str | None, digest: str) -> None:
-    """The caller's tags; a resumed run is marked, a new one gets its whole context."""
+def _resolve_base(cfg: RaylaneConfig, tracking_uri: str):
+    """A fine-tuning run's base (checked and loaded before Ray starts), else None."""
+    if cfg.finetune is None:
+        return None
+    from raylane.tracking.lineage import resolve_base
+
+    with long_step(f"loading the base model {cfg.finetune.base}"):
+        base = resolve_base(cfg, tracking_uri)
+    log.info("fine-tuning %s v%d (%s)", base.name, base.version, cfg.finetune.method)
+    return base
+
+
+def _tag_run(cfg: RaylaneConfig, tags, resume_run_id: str | None, digest: str, base) -> None:
+    """The caller's tags; a resumed run is marked, a new one gets its whole context (and a
+    fine-tuning run its base)."""
     import mlflow
 
     from raylane.tracking.cluster import snapshot_cluster
@@ -225,25 +246,30 @@ def _tag_run(cfg: RaylaneConfig, tags, resume_run_id: str | None, digest: str) -
         mlflow.set_tag("raylane.resumed", "true")
     else:
         log_run_context(cfg, snapshot_cluster(cfg), digest)
+    if base is not None:
+        from raylane.tracking.lineage import log_base_input
+
+        log_base_input(base)
 
 
-def _job_trainer(cfg: RaylaneConfig, run_name: str, tracking_uri: str, run_id: str):
-    """The job's TorchTrainer: its datasets, the MLflow run its workers log to, and the
-    driver's code identity (workers running other code are refused)."""
+def _job_trainer(cfg: RaylaneConfig, run_name: str, tracking_uri: str, run_id: str, base=None):
+    """The job's TorchTrainer: its datasets, the MLflow run its workers log to, the driver's
+    code identity (workers running other code are refused) and a fine-tuning run's base
+    weights (in the object store: workers never read the registry)."""
+    import ray
+
     from raylane.data.ray_datasets import read_datasets
     from raylane.tracking.identity import code_digest, package_dir
     from raylane.train.trainer import build_trainer
 
-    trainer = build_trainer(
-        cfg,
-        read_datasets(cfg),
-        run_name,
-        {
-            "tracking_uri": tracking_uri,
-            "run_id": run_id,
-            "driver_code": {"code_digest": code_digest(), "code_path": str(package_dir())},
-        },
-    )
+    loop_config = {
+        "tracking_uri": tracking_uri,
+        "run_id": run_id,
+        "driver_code": {"code_digest": code_digest(), "code_path": str(package_dir())},
+    }
+    if base is not None:
+        loop_config["base_state"] = ray.put(base.state)
+    trainer = build_trainer(cfg, read_datasets(cfg), run_name, loop_config)
     log.info(
         "training: %s, %s, %d epochs",
         cfg.parallelism.strategy,
@@ -276,21 +302,15 @@ def _log_and_register(final, cfg: RaylaneConfig, metrics: dict[str, float]):
     import mlflow
     from mlflow.tracking import MlflowClient
 
-    from raylane.console import long_step
-    from raylane.data.parquet import read_rows
     from raylane.tracking.registry import register_if_better
-    from raylane.tracking.runs import log_trained_model
 
     tracking = cfg.tracking
     log.info("logging and registering the model as %s", tracking.registered_model)
-    with long_step("logging the model (torch.export) and registering it"):
-        model_info = log_trained_model(
-            final, cfg, read_rows(cfg.data.validation_path, cfg, limit=5)[0]
-        )
+    model_uri, version = _log_model(final, cfg)
     decision = register_if_better(
         MlflowClient(),
         tracking.registered_model,
-        model_info.registered_model_version,
+        version,
         float(metrics[tracking.champion_metric]),
         tracking.champion_alias,
         tracking.champion_metric,
@@ -298,4 +318,29 @@ def _log_and_register(final, cfg: RaylaneConfig, metrics: dict[str, float]):
     promotion = decision.describe(tracking.registered_model, tracking.champion_alias)
     mlflow.set_tag("raylane.promotion", promotion)
     log.info(promotion)
-    return model_info.model_uri, decision.version, decision.promoted, promotion
+    return model_uri, decision.version, decision.promoted, promotion
+
+
+def _log_model(final, cfg: RaylaneConfig) -> tuple[str, int]:
+    """Log and register the run's model: a LoRA run's adapter alone, else the whole model
+    (torch.export; a fully fine-tuned one tagged with its base). (model URI, version)."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+
+    from raylane.data.parquet import read_rows
+    from raylane.tracking.lineage import BASE_MODEL_TAG, BASE_VERSION_TAG, register_adapter
+    from raylane.tracking.runs import log_trained_model
+
+    run_tags = mlflow.get_run(mlflow.active_run().info.run_id).data.tags
+    if cfg.finetune is not None and cfg.finetune.method == "lora":
+        with long_step("logging the adapter and registering it"):
+            return register_adapter(final, cfg, run_tags)
+    with long_step("logging the model (torch.export) and registering it"):
+        info = log_trained_model(final, cfg, read_rows(cfg.data.validation_path, cfg, limit=5)[0])
+    version = int(info.registered_model_version)
+    if cfg.finetune is not None:
+        for tag in (BASE_MODEL_TAG, BASE_VERSION_TAG):
+            MlflowClient().set_model_version_tag(
+                cfg.tracking.registered_model, str(version), tag, run_tags[tag]
+            )
+    return info.model_uri, version

@@ -245,11 +245,10 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     seed_everything(cfg.training.seed)
 
     strategy = get_strategy(cfg, rank)
-    model = strategy.wrap_model(build_model(cfg.model))  # raylane.parallel.parallelize
+    model = strategy.wrap_model(_plain_model(cfg, loop_config))  # raylane.parallel.parallelize
     training = cfg.training
-    optimizer = build_optimizer(
-        model.parameters(), training.optimizer, training.lr, training.weight_decay
-    )
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
+    optimizer = build_optimizer(trainable, training.optimizer, training.lr, training.weight_decay)
 
     start_epoch = _restore(strategy, model, optimizer, cfg)
     placement = _gather_placement(rank)
@@ -265,6 +264,19 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
         if monitor is not None:
             monitor.finish()
         _keep_worker_logs(loop_config, rank)
+
+
+def _plain_model(cfg: RaylaneConfig, loop_config: dict[str, Any]):
+    """The model before any parallelism: freshly initialised, or a fine-tuning run's base
+    (its weights from the object store) with `finetune:`'s adapters."""
+    model = build_model(cfg.model)
+    if cfg.finetune is not None:
+        model.load_state_dict(ray.get(loop_config["base_state"]))
+        if cfg.finetune.method == "lora":
+            from raylane.models.adapters import apply_lora
+
+            apply_lora(model, cfg.finetune)
+    return model
 
 
 def _restore(strategy, model, optimizer, cfg: RaylaneConfig) -> int:

@@ -1,0 +1,52 @@
+"""The `finetune:` section: start from a registered model and adapt it (LoRA or every weight).
+
+A fine-tuning run is a training run whose model starts from a registered version's weights
+(`base`) instead of a fresh initialisation. With `method: lora` the base's weights stay frozen
+and low-rank updates (Hu et al. 2021: `W + (alpha / rank) * B @ A`, `B` zero at the start, so
+the first step's model is the base) are trained in the `target_modules` linears; what the run
+registers is the adapter alone, tagged with the base it belongs to.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from raylane.config.model_uri import parse_model_uri
+from raylane.config.strict import StrictModel
+
+#: Layouts a fine-tuning run may use: every worker trains the whole (adapted) model on its
+#: share of the data, its parameters replicated (DDP) or sharded (FSDP2).
+FINETUNE_STRATEGIES = ("ddp", "fsdp")
+
+
+class FinetuneConfig(StrictModel):
+    base: str = Field(
+        ...,
+        description="The registered model to start from: models:/NAME/VERSION or "
+        "models:/NAME@ALIAS. Its recorded architecture must equal `model:`.",
+    )
+    method: Literal["lora", "full"] = Field(
+        "lora",
+        description="'lora': train low-rank adapters in `target_modules`, the base frozen; "
+        "'full': train every weight, starting from the base's.",
+    )
+    rank: int = Field(8, ge=1, le=256, description="lora: rank r of each update B @ A.")
+    alpha: float = Field(
+        16.0, gt=0, description="lora: scaling; the update is (alpha / rank) * B @ A."
+    )
+    dropout: float = Field(0.0, ge=0, lt=1, description="lora: dropout on the adapter's input.")
+    target_modules: list[str] = Field(
+        ["q", "k", "v", "proj"],
+        min_length=1,
+        description="lora: names of the linear layers to adapt (matched against the end of "
+        "each module's name: 'q', 'k', 'v', 'proj' are the attention projections, 'mlp.0' and "
+        "'mlp.2' the MLP's).",
+    )
+
+    @field_validator("base")
+    @classmethod
+    def _model_uri(cls, value: str) -> str:
+        parse_model_uri(value)  # raises naming the value
+        return value.strip()

@@ -1,0 +1,184 @@
+"""A fine-tuning run's base model, and the adapter it registers against it (MLflow lineage).
+
+Before Ray starts, `resolve_base` finds the registered version `finetune.base` names, checks
+that its recorded architecture is the config's `model:` and that `finetune.target_modules`
+match its layers, and loads its weights (the driver hands them to the workers through Ray's
+object store: workers never read the registry). The run is tagged with the base's name,
+version and weights digest, and lists the base's logged model as an MLflow model input.
+
+A LoRA run registers only its adapter: `adapter/adapter.safetensors` (the LoRA tensors) and
+`adapter/adapter.json` (its `finetune:` settings and base) as the version's source, the version
+tagged `raylane.base_model` / `raylane.base_version` / `raylane.adapter`. Loading it
+(`load_adapted_model`) rebuilds the base, adapts it the same way and loads the adapter.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from raylane.config import RaylaneConfig
+    from raylane.config.schema import ModelConfig
+
+ADAPTER_DIR = "adapter"
+ADAPTER_WEIGHTS = "adapter.safetensors"
+ADAPTER_META = "adapter.json"
+#: Registry tags of a fine-tuned version.
+BASE_MODEL_TAG, BASE_VERSION_TAG, ADAPTER_TAG = (
+    "raylane.base_model", "raylane.base_version", "raylane.adapter",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class BaseModel:
+    """The registered version a fine-tuning run starts from."""
+
+    name: str
+    version: int
+    run_id: str
+    digest: str
+    model_id: str | None
+    state: dict[str, torch.Tensor] = field(repr=False)
+
+    def tags(self) -> dict[str, str]:
+        return {
+            BASE_MODEL_TAG: self.name,
+            BASE_VERSION_TAG: str(self.version),
+            "raylane.base_digest": self.digest,
+        }
+
+
+def recorded_model_config(client, run_id: str) -> ModelConfig:
+    """The `model:` section of the config run `run_id` recorded (its architecture)."""
+    from raylane.config import load_config
+    from raylane.tracking.runs import CONFIG_ARTIFACT
+
+    return load_config(Path(client.download_artifacts(run_id, CONFIG_ARTIFACT))).model
+
+
+def resolve_base(cfg: RaylaneConfig, tracking_uri: str) -> BaseModel:
+    """The base of `cfg.finetune`, checked against the config and loaded.
+
+    Raises:
+        ModelNotFoundError: no such version or alias (naming it and the store).
+        ValueError: an adapter as base, another architecture, or target modules that match
+            no layer, each in one line naming the base or the module.
+    """
+    from mlflow.tracking import MlflowClient
+
+    from raylane.config.model_uri import parse_model_uri
+    from raylane.models import build_model
+    from raylane.models.adapters import apply_lora
+    from raylane.tracking.identity import weights_digest
+    from raylane.tracking.registry import resolve_version
+
+    finetune = cfg.finetune
+    ref = parse_model_uri(finetune.base)
+    client = MlflowClient(tracking_uri=tracking_uri)
+    found = resolve_version(client, tracking_uri, ref.name, ref.alias, ref.version)
+    named = f"finetune.base {finetune.base} (v{found.version})"
+    if (found.tags or {}).get(ADAPTER_TAG):
+        raise ValueError(
+            f"{named} is an adapter of {found.tags.get(BASE_MODEL_TAG)} "
+            f"v{found.tags.get(BASE_VERSION_TAG)}: fine-tune that base instead"
+        )
+    recorded = recorded_model_config(client, found.run_id)
+    differs = [k for k, v in recorded.model_dump().items() if getattr(cfg.model, k) != v]
+    if differs:
+        key = differs[0]
+        raise ValueError(
+            f"{named} has model.{key} {getattr(recorded, key)!r}; the config says "
+            f"{getattr(cfg.model, key)!r} (a fine-tuning config states the base's architecture)"
+        )
+    if finetune.method == "lora":
+        apply_lora(build_model(cfg.model), finetune)  # raises naming unmatched target modules
+    state = _registered_state(tracking_uri, ref.name, int(found.version))
+    return BaseModel(
+        name=ref.name,
+        version=int(found.version),
+        run_id=found.run_id,
+        digest=weights_digest(state),
+        model_id=_logged_model_id(found),
+        state=state,
+    )
+
+
+def _logged_model_id(version) -> str | None:
+    """The MLflow 3 logged model behind a registered version (its source is models:/m-...)."""
+    if getattr(version, "model_id", None):
+        return version.model_id
+    source = version.source or ""
+    return source.removeprefix("models:/") if source.startswith("models:/m-") else None
+
+
+def _registered_state(tracking_uri: str, name: str, version: int) -> dict:
+    import mlflow
+
+    mlflow.set_tracking_uri(tracking_uri)
+    exported = mlflow.pytorch.load_model(f"models:/{name}/{version}", map_location="cpu")
+    return {k: v.detach().clone() for k, v in exported.state_dict().items()}
+
+
+def log_base_input(base: BaseModel) -> None:
+    """Tag the active run with its base and list the base's logged model as a model input."""
+    import mlflow
+
+    mlflow.set_tags(base.tags())
+    if base.model_id:
+        from mlflow.entities import LoggedModelInput
+        from mlflow.tracking import MlflowClient
+
+        run_id = mlflow.active_run().info.run_id
+        MlflowClient().log_inputs(run_id, [], models=[LoggedModelInput(model_id=base.model_id)])
+
+
+def register_adapter(model, cfg: RaylaneConfig, base_tags: dict[str, str]) -> tuple[str, int]:
+    """Log `model`'s adapter (alone) into the active run and register it as a new version of
+    `tracking.registered_model` tagged with its base: (source URI, version)."""
+    import mlflow
+    from mlflow.tracking import MlflowClient
+    from safetensors.torch import save_file
+
+    from raylane.models.adapters import adapter_state
+
+    state = adapter_state(model)
+    meta = {
+        "finetune": cfg.finetune.model_dump(mode="json"),
+        "base_model": base_tags[BASE_MODEL_TAG],
+        "base_version": int(base_tags[BASE_VERSION_TAG]),
+        "base_digest": base_tags.get("raylane.base_digest"),
+    }
+    with tempfile.TemporaryDirectory() as directory:
+        save_file(state, str(Path(directory) / ADAPTER_WEIGHTS))
+        (Path(directory) / ADAPTER_META).write_text(json.dumps(meta, indent=2))
+        size = (Path(directory) / ADAPTER_WEIGHTS).stat().st_size
+        mlflow.log_artifacts(directory, artifact_path=ADAPTER_DIR)
+    run = mlflow.active_run()
+    mlflow.log_metric("adapter_bytes", size)
+    client = MlflowClient()
+    name = cfg.tracking.registered_model
+    if not client.search_registered_models(f"name = '{name}'"):
+        client.create_registered_model(name)
+    source = f"runs:/{run.info.run_id}/{ADAPTER_DIR}"
+    tags = {BASE_MODEL_TAG: meta["base_model"], BASE_VERSION_TAG: str(meta["base_version"]),
+            ADAPTER_TAG: cfg.finetune.method}  # fmt: skip
+    version = client.create_model_version(name, source, run.info.run_id, tags=tags)
+    return source, int(version.version)
+
+
+def adapter_of(client, version) -> tuple[dict, dict[str, torch.Tensor]] | None:
+    """`(adapter.json, adapter tensors)` of a registered adapter version, or None when the
+    version is a whole model."""
+    if not (version.tags or {}).get(ADAPTER_TAG):
+        return None
+    from safetensors.torch import load_file
+
+    directory = Path(client.download_artifacts(version.run_id, ADAPTER_DIR))
+    meta = json.loads((directory / ADAPTER_META).read_text())
+    return meta, load_file(str(directory / ADAPTER_WEIGHTS))
