@@ -60,6 +60,7 @@ SERVE_RUN = block("serve run serving/config.yaml")
 ROLLING = block("raylane promote <old>")
 GENERATE = block("raylane train --config configs/train/lm_serve.yaml")
 GENERATE_DEPLOY = block("raylane deploy --config configs/train/lm_serve.yaml")
+FINETUNE = block("raylane finetune")
 OPENAI_CLIENT = block("from openai import OpenAI")
 JOBS = block("ray job submit")
 
@@ -290,6 +291,17 @@ class TestOnARunningCluster:
         generated = run.command("raylane generate").output
         assert "raylane-lm-serve v1" in generated and "finish: length, 128 bytes" in generated
         assert "def main(" in generated, generated
+
+    def test_finetune_block(self, on_cluster):
+        """After the generation block: LoRA on the LM it registered, then text from it."""
+        copy, env, _ = on_cluster
+        run = _ok(run_block(FINETUNE, copy, env, timeout_s=900), FINETUNE.where)
+        tuned = " ".join(run.command("raylane finetune").output.split())  # lines wrap
+        assert "base: raylane-lm-serve v1" in tuned and "raylane-lm-lora v1" in tuned, tuned
+        found = re.search(r"python-stdlib-tests: base (\d\.\d+), fine-tuned (\d\.\d+)", tuned)
+        assert found and float(found[2]) < float(found[1]), tuned  # it adapted to the new text
+        generated = run.command("raylane generate").output
+        assert "raylane-lm-lora v1" in generated and "def test_" in generated, generated
 
 
 def test_plan_block(readme):

@@ -55,6 +55,9 @@ def setup_logging(verbose: bool = False) -> None:
     logger.handlers[:] = [handler]
     logger.setLevel(logging.INFO)
     logger.propagate = False
+    # torchao (imported for int8 weights and by PEFT) registers enums that torch 2.13 now
+    # handles itself, and torch logs a deprecation warning per enum on every command.
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:

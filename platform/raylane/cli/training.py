@@ -111,6 +111,14 @@ def finetune(
     with on_ray(phases=phases):
         outcome = run_training(cfg, phases=phases, base=base)
     _print_outcome(cfg, outcome)
+    from mlflow.tracking import MlflowClient
+
+    metrics = MlflowClient(outcome.tracking_uri).get_run(outcome.run_id).data.metrics
+    console.print(
+        f"val_loss on {cfg.data.source}: base {metrics.get('base_val_loss', float('nan')):.4f}, "
+        f"fine-tuned {outcome.metrics['val_loss']:.4f}",
+        highlight=False,
+    )
     record_phases(outcome, phases)
     console.print(phases.line(), highlight=False, soft_wrap=True)
 

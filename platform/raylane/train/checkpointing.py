@@ -140,3 +140,22 @@ def restore_sharded_checkpoint(
         options=_flat_options(),
     )
     return json.loads((directory / META_FILE).read_text())["epoch"] + 1
+
+
+def save_epoch_checkpoint(directory: Path, strategy, model, optimizer, epoch: int, metrics) -> bool:
+    """This worker's part of epoch `epoch`'s checkpoint, as its strategy writes checkpoints;
+    whether it reports one (a sharded checkpoint needs every worker's files, otherwise only
+    the writers')."""
+    if strategy.sharded_checkpoint:
+        save_sharded_checkpoint(
+            directory, model, optimizer, epoch, metrics, strategy.checkpoint_part,
+            strategy.writes_part,
+        )  # fmt: skip
+        return True
+    if strategy.saves_checkpoint:
+        save_checkpoint(
+            directory, strategy.unwrap_model(model), optimizer, epoch, metrics,
+            strategy.checkpoint_part,
+        )  # fmt: skip
+        return True
+    return False

@@ -144,13 +144,10 @@ def run_training(
 
     `register=False` (a reproduction) keeps the weights digest but logs no model and leaves
     the registry alone; `tags` are set on the new run. `resume_run_id` continues that MLflow
-    run (say after its driver was killed): Ray Train finds the run's state under the same name
-    and storage path and hands the workers its latest checkpoint.
+    run (its driver killed, say): Ray Train finds its state under the same name and storage.
 
-    Everything that can fail cheaply (data, tracking store) is checked before Ray starts.
-    `phases` collects where the wall time went (`raylane.train.phases`); the run records it
-    as `phase_*_s` metrics. A fine-tuning run (`finetune:`) starts from `base`
-    (`raylane.tracking.lineage.resolve_base`, resolved here when not given).
+    What can fail cheaply (data, store, a fine-tuning `base` unless given) is checked before
+    Ray starts. `phases` collects where the time went, recorded as `phase_*_s` metrics.
     """
     import mlflow
 

@@ -36,8 +36,7 @@ from raylane.train.batches import iter_torch_batches
 from raylane.train.checkpointing import (
     restore_checkpoint,
     restore_sharded_checkpoint,
-    save_checkpoint,
-    save_sharded_checkpoint,
+    save_epoch_checkpoint,
 )
 from raylane.train.phases import WorkerMarks
 from raylane.train.straggler import Straggler
@@ -329,6 +328,13 @@ def _keep_worker_logs(loop_config: dict[str, Any], rank: int) -> None:
         print(f"raylane: worker logs not kept: {exc}", file=sys.stderr)
 
 
+def _log_base_loss(strategy, model, validation_shard, cfg, epoch_logger) -> None:
+    """A fine-tuning run's base on the new domain, before the first step (`base_val_loss`)."""
+    base_loss, _ = _evaluate(strategy, model, validation_shard, cfg)
+    if epoch_logger is not None:
+        epoch_logger.log({"base_val_loss": base_loss}, step=0)
+
+
 def _train_epochs(
     strategy, model, optimizer, cfg, start_epoch, rank, epoch_logger, marks, loop_config
 ):
@@ -337,6 +343,8 @@ def _train_epochs(
     train_shard = memory.get("train") or ray.train.get_dataset_shard("train")
     validation_shard = memory.get("validation") or ray.train.get_dataset_shard("validation")
     split_history: list[dict[str, float]] = []
+    if cfg.finetune is not None and start_epoch == 0:
+        _log_base_loss(strategy, model, validation_shard, cfg, epoch_logger)
     for epoch in range(start_epoch, cfg.training.epochs):
         train_loss, rows, elapsed, split = _train_epoch(
             strategy, model, optimizer, train_shard, cfg, epoch, rank, marks
@@ -361,31 +369,12 @@ def _train_epochs(
             split_history.append(metrics)
             epoch_logger.log_step_split(split_history)
             epoch_logger.log_tables(strategy.run_tables)
-        sharded = strategy.sharded_checkpoint
-        # A sharded checkpoint needs every worker's files; otherwise only the writers report.
-        reports = sharded or strategy.saves_checkpoint
         with tempfile.TemporaryDirectory() as directory:
-            if sharded:
-                save_sharded_checkpoint(
-                    Path(directory),
-                    model,
-                    optimizer,
-                    epoch,
-                    metrics,
-                    strategy.checkpoint_part,
-                    strategy.writes_part,
-                )
-            elif strategy.saves_checkpoint:
-                save_checkpoint(
-                    Path(directory),
-                    strategy.unwrap_model(model),
-                    optimizer,
-                    epoch,
-                    metrics,
-                    strategy.checkpoint_part,
-                )
+            wrote = save_epoch_checkpoint(
+                Path(directory), strategy, model, optimizer, epoch, metrics
+            )
             ray.train.report(
                 {**metrics, **marks.report_metrics()},
-                checkpoint=ray.train.Checkpoint.from_directory(directory) if reports else None,
+                checkpoint=ray.train.Checkpoint.from_directory(directory) if wrote else None,
                 checkpoint_dir_name=f"epoch_{epoch:04d}",
             )
