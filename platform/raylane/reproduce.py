@@ -133,7 +133,14 @@ def reproduce(client: MlflowClient, run_id: str, *, allow_drift: bool, show) -> 
         raise DriftError(
             f"the present differs from run {run_id} in {names}; --allow-drift runs it anyway"
         )
-    outcome = run_training(cfg, register=False, tags={"raylane.reproduces": run_id})
+    base = None
+    if cfg.finetune is not None:  # the base the run recorded, with the weights it recorded
+        from raylane.tracking.lineage import pinned_base, resolve_base
+
+        tags = client.get_run(run_id).data.tags
+        cfg = pinned_base(cfg, tags)
+        base = resolve_base(cfg, client.tracking_uri, tags.get("raylane.base_digest"))
+    outcome = run_training(cfg, register=False, tags={"raylane.reproduces": run_id}, base=base)
     verdict, detail = compare_runs(client, run_id, outcome.run_id)
     client.set_tag(outcome.run_id, "raylane.reproduced", verdict)
     return Reproduction(run_id, outcome.run_id, verdict, detail)

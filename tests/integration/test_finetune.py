@@ -9,12 +9,14 @@ the layout equivalence test, entries ddp2-lora and fsdp2-lora.)"""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
 
 from raylane.config import load_config
 from raylane.tracking.identity import weights_digest
+from raylane.train.checkpointing import load_model_state
 
 from .conftest import ROOT
 
@@ -100,11 +102,18 @@ def test_the_adapter_loads_onto_its_untouched_base_and_changes_the_model(finetun
         outcome.tracking_uri, ADAPTED, outcome.model_version, merge=False
     )
     assert card.registered_model == ADAPTED
+    # What the run trained (its last checkpoint): every base weight as registered, adapters
+    # moved from their zero start, and those adapters are what the registry holds.
+    trained = load_model_state(Path(outcome.checkpoint_path))
+    base_part = {n: t for n, t in trained.items() if ".lora_" not in n}
+    assert {n.replace(".base_layer", "") for n in base_part} == set(base_state)
+    for name, tensor in base_part.items():
+        assert torch.equal(tensor, base_state[name.replace(".base_layer", "")]), name
+    adapters = {n: t for n, t in trained.items() if ".lora_" in n}
+    assert adapters and all(adapters[n].abs().sum() > 0 for n in adapters if "lora_B" in n)
     for name, tensor in adapted.state_dict().items():
-        if ".lora_" not in name:  # every base weight as registered: only adapters trained
-            assert torch.equal(tensor, base_state[name.replace(".base_layer", "")]), name
-    trained_b = [t for n, t in adapted.state_dict().items() if "lora_B" in n]
-    assert trained_b and all(t.abs().sum() > 0 for t in trained_b)
+        if ".lora_" in name:
+            assert torch.equal(tensor, adapters[name]), name
 
     merged, _ = load_language_model(outcome.tracking_uri, ADAPTED, outcome.model_version)
     assert set(merged.state_dict()) == set(base_state)
@@ -113,7 +122,15 @@ def test_the_adapter_loads_onto_its_untouched_base_and_changes_the_model(finetun
         torch.testing.assert_close(merged(tokens), adapted(tokens), rtol=1e-4, atol=1e-5)
         base, _ = load_language_model(outcome.tracking_uri, *_base_ref(pipeline_run))
         assert not torch.allclose(merged(tokens), base(tokens), atol=1e-3)
-    assert weights_digest(base.state_dict()) == weights_digest(base_state)
+    assert weights_digest(base.state_dict()) == base_digest(outcome)
+
+
+def base_digest(outcome) -> str:
+    from mlflow.tracking import MlflowClient
+
+    return (
+        MlflowClient(outcome.tracking_uri).get_run(outcome.run_id).data.tags["raylane.base_digest"]
+    )
 
 
 def _base_ref(pipeline_run) -> tuple[str, int]:
@@ -129,6 +146,7 @@ def _base_ref(pipeline_run) -> tuple[str, int]:
         (["finetune.target_modules=[q, qkv]"],
          "finetune.target_modules ['qkv'] match no linear layer of the model"),
         (["model.d_model=32", "model.n_heads=2"], "has model.d_model 64; the config says 32"),
+        (["tracking.registered_model=raylane-lm"], "tracking.registered_model is the base's own"),
     ],
 )  # fmt: skip
 def test_a_bad_base_is_named_before_ray_starts(pipeline_run, workspace, extra, message):
@@ -149,3 +167,27 @@ def test_an_adapter_is_not_a_base(finetuned, pipeline_run, workspace):
         f"{pipeline_run[0].tracking.registered_model}"
     )):  # fmt: skip
         resolve_base(cfg, workspace.tracking_uri)
+
+
+def test_an_adapter_is_served_as_generation_and_a_resumed_run_keeps_its_base(
+    finetuned, pipeline_run, workspace
+):
+    from mlflow.tracking import MlflowClient
+
+    from raylane.serving.app import check_served_models
+    from raylane.serving.errors import ServedModelError
+    from raylane.tracking.lineage import pinned_base
+
+    cfg, outcome = finetuned
+    as_infer = cfg.model_copy(update={"serving": cfg.serving.model_copy(update={"api": "infer"})})
+    with pytest.raises(ServedModelError, match=re.escape(
+        f"{ADAPTED} v{outcome.model_version} is a LoRA adapter: serve it with serving.api: generate"
+    )):  # fmt: skip
+        check_served_models(as_infer, workspace.tracking_uri, outcome.model_version)
+    check_served_models(cfg, workspace.tracking_uri, outcome.model_version)
+
+    # The recorded config names the base by alias; its resume or reproduction by version.
+    assert cfg.finetune.base.endswith("@champion")
+    tags = MlflowClient(workspace.tracking_uri).get_run(outcome.run_id).data.tags
+    name, version = _base_ref(pipeline_run)
+    assert pinned_base(cfg, tags).finetune.base == f"models:/{name}/{version}"

@@ -92,7 +92,9 @@ def test_target_modules_that_match_nothing_are_named_with_the_models_linears():
     [
         (["finetune.base=raylane-lm-serve"], "is not models:/NAME/VERSION or models:/NAME@ALIAS"),
         (["parallelism.strategy=tp", "parallelism.tp=2"],
-         "finetune runs on strategy 'ddp' or 'fsdp' without pipeline stages (got 'tp', pp 1)"),
+         "finetune runs on strategy 'ddp' or 'fsdp' with every worker holding whole blocks "
+         "(got 'tp', pp 1, tp 2)"),
+        (["parallelism.strategy=fsdp", "parallelism.tp=2"], "(got 'fsdp', pp 1, tp 2)"),
         (["finetune.target_modules=[]"], "finetune.target_modules"),
         (["finetune.method=qlora"], "finetune.method"),
     ],

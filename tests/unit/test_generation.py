@@ -338,7 +338,6 @@ def test_a_failing_step_fails_the_requests_in_flight_and_the_loop_goes_on(model)
 def test_deploy_refuses_a_registered_draft_whose_recorded_context_is_shorter(tmp_path):
     """Checked on the two versions' recorded configs in a real MLflow store, before deploying:
     a draft of the same context passes, one of a shorter context is named with the reason."""
-    import mlflow
     from mlflow.tracking import MlflowClient
 
     from raylane.config import load_config
@@ -347,8 +346,8 @@ def test_deploy_refuses_a_registered_draft_whose_recorded_context_is_shorter(tmp
     from tests.readme_blocks import ROOT
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
-    mlflow.set_tracking_uri(uri)
-    client = MlflowClient(uri)
+    client = MlflowClient(uri)  # no fluent API: the process's active run and URI stay as they are
+    experiment = client.create_experiment("draft-check")
     base = ROOT / "configs" / "train" / "lm_serve.yaml"
 
     def register(name: str, *overrides: str) -> None:
@@ -356,11 +355,12 @@ def test_deploy_refuses_a_registered_draft_whose_recorded_context_is_shorter(tmp
         written = tmp_path / name / CONFIG_ARTIFACT
         written.parent.mkdir(parents=True)
         written.write_text(cfg.model_dump_json())  # JSON is YAML
-        with mlflow.start_run() as run:
-            mlflow.log_artifact(str(written), artifact_path="config")
+        run_id = client.create_run(experiment).info.run_id
+        client.log_artifact(run_id, str(written), artifact_path="config")
+        client.set_terminated(run_id)
         if not client.search_registered_models(f"name = '{name}'"):
             client.create_registered_model(name)
-        client.create_model_version(name, f"runs:/{run.info.run_id}/model", run.info.run_id)
+        client.create_model_version(name, f"runs:/{run_id}/model", run_id)
 
     served = load_config(base, ["tracking.tracking_uri=" + uri])
     register(served.tracking.registered_model)

@@ -56,8 +56,10 @@ def setup_logging(verbose: bool = False) -> None:
     logger.setLevel(logging.INFO)
     logger.propagate = False
     # torchao (imported for int8 weights and by PEFT) registers enums that torch 2.13 now
-    # handles itself, and torch logs a deprecation warning per enum on every command.
+    # handles itself, and torch logs a deprecation warning per enum on every command; torchao
+    # itself warns about the GPU kernels a CPU wheel cannot load.
     logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
+    logging.getLogger("torchao").setLevel(logging.ERROR)
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -75,14 +77,16 @@ def load(config: Path, overrides: list[str] | None) -> RaylaneConfig:
 def user_errors() -> tuple[type[Exception], ...]:
     from raylane.data import DataError
     from raylane.inference import ModelNotFoundError
+    from raylane.serving.errors import ServedModelError
     from raylane.serving.guard import ApiKeyError
     from raylane.serving.leftovers import LeftoverIngressError
     from raylane.tracking import TrackingError
+    from raylane.tracking.lineage import BaseModelError
     from raylane.train.job import CodeMismatchError
 
     return (
         ConfigError, DataError, ModelNotFoundError, TrackingError, ApiKeyError, CodeMismatchError,
-        LeftoverIngressError,
+        LeftoverIngressError, BaseModelError, ServedModelError,
     )  # fmt: skip
 
 

@@ -114,10 +114,11 @@ def finetune(
     from mlflow.tracking import MlflowClient
 
     metrics = MlflowClient(outcome.tracking_uri).get_run(outcome.run_id).data.metrics
+    before = metrics.get("base_val_loss")  # not logged when the run resumed mid-way
+    base = "n/a" if before is None else f"{before:.4f}"
+    after = outcome.metrics["val_loss"]
     console.print(
-        f"val_loss on {cfg.data.source}: base {metrics.get('base_val_loss', float('nan')):.4f}, "
-        f"fine-tuned {outcome.metrics['val_loss']:.4f}",
-        highlight=False,
+        f"val_loss on {cfg.data.source}: base {base}, fine-tuned {after:.4f}", highlight=False
     )
     record_phases(outcome, phases)
     console.print(phases.line(), highlight=False, soft_wrap=True)

@@ -237,11 +237,11 @@ class RaylaneConfig(StrictModel):
                 f"finetune adapts a registered gpt language model; model.kind is "
                 f"'{self.model.kind}'"
             )
-        strategy = self.parallelism.strategy
-        if strategy not in FINETUNE_STRATEGIES or self.parallelism.pp > 1:
+        par = self.parallelism
+        if par.strategy not in FINETUNE_STRATEGIES or par.pp > 1 or par.tp > 1:
             raise ValueError(
-                f"finetune runs on strategy 'ddp' or 'fsdp' without pipeline stages (got "
-                f"'{strategy}', pp {self.parallelism.pp})"
+                f"finetune runs on strategy 'ddp' or 'fsdp' with every worker holding whole "
+                f"blocks (got '{par.strategy}', pp {par.pp}, tp {par.tp})"
             )
         return self
 

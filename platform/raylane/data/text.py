@@ -34,7 +34,11 @@ def stdlib_source_files(max_bytes: int, source: str = "python-stdlib") -> list[P
         chosen.append(path)
         total += size
     if not chosen:
-        raise FileNotFoundError(f"no Python source files found under {root}")
+        from raylane.data.parquet import DataError
+
+        hint = " (this Python ships without its test suite: install it, e.g. Debian's "
+        hint += "libpython3-testsuite, or use data.source: parquet)" if "test" in source else ""
+        raise DataError(f"data.source '{source}': no {SOURCES[source]} under {root}{hint}")
     return chosen
 
 

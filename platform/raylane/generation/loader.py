@@ -34,7 +34,8 @@ def load_language_model(
     loaded, folded into the weights unless `merge` is off.
 
     Raises:
-        ModelNotFoundError: no such version or alias (or the adapter's base is gone).
+        ModelNotFoundError: no such version or alias, or an adapter's base version is gone
+            (naming the base).
         ValueError: the version is not a GPT (generation needs one).
     """
     from mlflow.tracking import MlflowClient

@@ -11,6 +11,7 @@ from ray.serve.schema import LoggingConfig
 
 from raylane.config import RaylaneConfig, load_config
 from raylane.serving.deployments import InferenceServer
+from raylane.serving.errors import ServedModelError
 from raylane.serving.guard import key_digest, load_api_key
 
 log = logging.getLogger("raylane")
@@ -93,6 +94,27 @@ def resolve_served_version(cfg: RaylaneConfig, tracking_uri: str) -> int:
     return int(found.version)
 
 
+def check_served_models(cfg: RaylaneConfig, tracking_uri: str, version: int) -> None:
+    """Before anything is deployed: an adapter version is served as text generation (its
+    base plus the adapter), and the draft model fits (`check_draft_model`).
+
+    Raises:
+        ServedModelError: naming the version and why.
+    """
+    from mlflow.tracking import MlflowClient
+
+    from raylane.tracking.lineage import ADAPTER_TAG
+
+    name = cfg.tracking.registered_model
+    tags = MlflowClient(tracking_uri=tracking_uri).get_model_version(name, str(version)).tags
+    if (tags or {}).get(ADAPTER_TAG) and cfg.serving.api != "generate":
+        raise ServedModelError(
+            f"{name} v{version} is a LoRA adapter: serve it with serving.api: generate (its "
+            "base and the adapter are loaded together)"
+        )
+    check_draft_model(cfg, tracking_uri, version)
+
+
 def check_draft_model(cfg: RaylaneConfig, tracking_uri: str, version: int) -> None:
     """The registry holds `serving.generation.draft_model` (when one is named), and its
     recorded architecture can propose for served `version`'s: the same vocabulary and a
@@ -100,7 +122,7 @@ def check_draft_model(cfg: RaylaneConfig, tracking_uri: str, version: int) -> No
 
     Raises:
         ModelNotFoundError: naming the draft's version or alias and the store.
-        ValueError: naming the draft and why it cannot propose for the served model.
+        ServedModelError: naming the draft and why it cannot propose for the served model.
     """
     uri = cfg.serving.generation.draft_model
     if uri is None:
@@ -122,7 +144,7 @@ def check_draft_model(cfg: RaylaneConfig, tracking_uri: str, version: int) -> No
         served.num_classes, served.input_dim, draft.num_classes, draft.input_dim
     )
     if problem:
-        raise ValueError(
+        raise ServedModelError(
             f"serving.generation.draft_model {uri} (v{found.version}) cannot draft for "
             f"{cfg.tracking.registered_model} v{version}: {problem}"
         )
@@ -139,7 +161,7 @@ def app_builder(args: dict[str, Any]):
     cfg = load_config(args.get("config", DEFAULT_CONFIG), list(args.get("overrides", [])))
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     version = resolve_served_version(cfg, tracking_uri)
-    check_draft_model(cfg, tracking_uri, version)
+    check_served_models(cfg, tracking_uri, version)
     return build_app(cfg, tracking_uri, version, load_api_key_for(cfg))
 
 
@@ -179,7 +201,7 @@ def deploy(cfg: RaylaneConfig) -> tuple[str, int]:
     Raises:
         ModelNotFoundError: the pinned version, the champion alias or the draft model does
             not exist (checked before anything is deployed).
-        ValueError: the draft model cannot propose for the served model.
+        ServedModelError: an adapter served as infer, or a draft that cannot propose.
         ApiKeyError: `serving.api_key_file` is set but unreadable or empty.
     """
     from ray import serve
@@ -189,7 +211,7 @@ def deploy(cfg: RaylaneConfig) -> tuple[str, int]:
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     check_tracking_reachable(tracking_uri)
     version = resolve_served_version(cfg, tracking_uri)
-    check_draft_model(cfg, tracking_uri, version)
+    check_served_models(cfg, tracking_uri, version)
     api_key = load_api_key_for(cfg)
     app = build_app(cfg, tracking_uri, version, api_key)
     serve.start(http_options={"host": cfg.serving.host, "port": cfg.serving.port})

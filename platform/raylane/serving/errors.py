@@ -1,4 +1,5 @@
-"""The error every request check raises, and how a raw ASGI route answers it."""
+"""The error every request check raises, how a raw ASGI route answers it, and the error a
+deploy raises before anything starts when the registered versions cannot be served."""
 
 import json
 
@@ -9,6 +10,10 @@ class ProtocolError(ValueError):
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
+
+
+class ServedModelError(ValueError):
+    """The registered versions a config names cannot be served as it asks (one line)."""
 
 
 async def send_json_error(send, status: int, message: str, extra_headers=()) -> None:

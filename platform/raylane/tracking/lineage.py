@@ -9,7 +9,9 @@ version and weights digest, and lists the base's logged model as an MLflow model
 A LoRA run registers only its adapter: `adapter/adapter.safetensors` (the LoRA tensors) and
 `adapter/adapter.json` (its `finetune:` settings and base) as the version's source, the version
 tagged `raylane.base_model` / `raylane.base_version` / `raylane.adapter`. Loading it
-(`load_adapted_model`) rebuilds the base, adapts it the same way and loads the adapter.
+(`raylane.generation.loader.load_language_model`) rebuilds the base, adapts it the same way
+and loads the adapter. A resumed or reproduced run uses the base version its record names
+(`pinned_base`), never what an alias points to now, and checks its weights digest.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ ADAPTER_META = "adapter.json"
 BASE_MODEL_TAG, BASE_VERSION_TAG, ADAPTER_TAG = (
     "raylane.base_model", "raylane.base_version", "raylane.adapter",
 )  # fmt: skip
+
+
+class BaseModelError(ValueError):
+    """A fine-tuning run's base cannot be used as configured (one line naming why)."""
 
 
 @dataclass(frozen=True)
@@ -62,19 +68,31 @@ def recorded_model_config(client, run_id: str) -> ModelConfig:
     return load_config(Path(client.download_artifacts(run_id, CONFIG_ARTIFACT))).model
 
 
-def resolve_base(cfg: RaylaneConfig, tracking_uri: str) -> BaseModel:
-    """The base of `cfg.finetune`, checked against the config and loaded.
+def pinned_base(cfg: RaylaneConfig, run_tags: dict[str, str]) -> RaylaneConfig:
+    """`cfg` (a recorded fine-tuning config) with `finetune.base` pinned to the version the
+    run's tags name: what the run trained on, wherever its alias points now."""
+    if cfg.finetune is None or BASE_MODEL_TAG not in run_tags:
+        return cfg
+    uri = f"models:/{run_tags[BASE_MODEL_TAG]}/{run_tags[BASE_VERSION_TAG]}"
+    return cfg.model_copy(update={"finetune": cfg.finetune.model_copy(update={"base": uri})})
+
+
+def resolve_base(
+    cfg: RaylaneConfig, tracking_uri: str, expect_digest: str | None = None
+) -> BaseModel:
+    """The base of `cfg.finetune`, checked against the config (and, for a resumed or
+    reproduced run, against the weights digest it recorded) and loaded.
 
     Raises:
         ModelNotFoundError: no such version or alias (naming it and the store).
-        ValueError: an adapter as base, another architecture, or target modules that match
-            no layer, each in one line naming the base or the module.
+        BaseModelError: an adapter as base, the run's own registered name, another
+            architecture, target modules that match no layer, or other weights than recorded.
     """
     from mlflow.tracking import MlflowClient
 
     from raylane.config.model_uri import parse_model_uri
     from raylane.models import build_model
-    from raylane.models.adapters import apply_lora
+    from raylane.models.adapters import AdapterTargetError, apply_lora
     from raylane.tracking.identity import weights_digest
     from raylane.tracking.registry import resolve_version
 
@@ -84,26 +102,40 @@ def resolve_base(cfg: RaylaneConfig, tracking_uri: str) -> BaseModel:
     found = resolve_version(client, tracking_uri, ref.name, ref.alias, ref.version)
     named = f"finetune.base {finetune.base} (v{found.version})"
     if (found.tags or {}).get(ADAPTER_TAG):
-        raise ValueError(
+        raise BaseModelError(
             f"{named} is an adapter of {found.tags.get(BASE_MODEL_TAG)} "
             f"v{found.tags.get(BASE_VERSION_TAG)}: fine-tune that base instead"
+        )
+    if cfg.tracking.registered_model == ref.name:
+        raise BaseModelError(
+            f"{named}: tracking.registered_model is the base's own name; register the "
+            "fine-tuned model under another (its versions would compete for the base's alias)"
         )
     recorded = recorded_model_config(client, found.run_id)
     differs = [k for k, v in recorded.model_dump().items() if getattr(cfg.model, k) != v]
     if differs:
         key = differs[0]
-        raise ValueError(
+        raise BaseModelError(
             f"{named} has model.{key} {getattr(recorded, key)!r}; the config says "
             f"{getattr(cfg.model, key)!r} (a fine-tuning config states the base's architecture)"
         )
     if finetune.method == "lora":
-        apply_lora(build_model(cfg.model), finetune)  # raises naming unmatched target modules
+        try:
+            apply_lora(build_model(cfg.model), finetune)
+        except AdapterTargetError as exc:
+            raise BaseModelError(str(exc)) from None
     state = _registered_state(tracking_uri, ref.name, int(found.version))
+    digest = weights_digest(state)
+    if expect_digest and digest != expect_digest:
+        raise BaseModelError(
+            f"{named} now holds weights {digest[:12]}, not the {expect_digest[:12]} the run "
+            "was fine-tuned from"
+        )
     return BaseModel(
         name=ref.name,
         version=int(found.version),
         run_id=found.run_id,
-        digest=weights_digest(state),
+        digest=digest,
         model_id=_logged_model_id(found),
         state=state,
     )

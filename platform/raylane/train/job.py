@@ -158,7 +158,7 @@ def run_training(
     with phases.phase("preflight"):
         tracking_uri = preflight(cfg)
         digest = dataset_digest(cfg.data.train_path, cfg.data.validation_path)
-        base = base or _resolve_base(cfg, tracking_uri)
+        base = base or _resolve_base(cfg, tracking_uri, resume_run_id)
     with phases.phase("ray"):
         connect_ray()
     setup_start = time.time()
@@ -217,14 +217,23 @@ def _record_model(cfg: RaylaneConfig, checkpoint, metrics: dict, register: bool)
     return _log_and_register(final, cfg, metrics) if register else None
 
 
-def _resolve_base(cfg: RaylaneConfig, tracking_uri: str):
-    """A fine-tuning run's base (checked and loaded before Ray starts), else None."""
+def _resolve_base(cfg: RaylaneConfig, tracking_uri: str, resume_run_id: str | None = None):
+    """A fine-tuning run's base (checked and loaded before Ray starts), else None; a resumed
+    run's is the version and weights it recorded."""
     if cfg.finetune is None:
         return None
     from raylane.tracking.lineage import resolve_base
 
+    expect = None
+    if resume_run_id:
+        from mlflow.tracking import MlflowClient
+
+        from raylane.tracking.lineage import pinned_base
+
+        tags = MlflowClient(tracking_uri).get_run(resume_run_id).data.tags
+        cfg, expect = pinned_base(cfg, tags), tags.get("raylane.base_digest")
     with long_step(f"loading the base model {cfg.finetune.base}"):
-        base = resolve_base(cfg, tracking_uri)
+        base = resolve_base(cfg, tracking_uri, expect)
     log.info("fine-tuning %s v%d (%s)", base.name, base.version, cfg.finetune.method)
     return base
 
@@ -240,9 +249,9 @@ def _tag_run(cfg: RaylaneConfig, tags, resume_run_id: str | None, digest: str, b
     if tags:
         mlflow.set_tags(tags)
     if resume_run_id:
-        mlflow.set_tag("raylane.resumed", "true")
-    else:
-        log_run_context(cfg, snapshot_cluster(cfg), digest)
+        mlflow.set_tag("raylane.resumed", "true")  # its base tags stay what it trained on
+        return
+    log_run_context(cfg, snapshot_cluster(cfg), digest)
     if base is not None:
         from raylane.tracking.lineage import log_base_input
 
