@@ -66,15 +66,25 @@ def train(
     """Train with the config's parallelism strategy on Ray Train; track and register in MLflow."""
     setup_logging(verbose)
     cfg = _recorded(resume) if resume else load(config, overrides)
-    from raylane.train.job import check_run_inputs, record_phases, run_training
+    from raylane.train.job import check_run_inputs
     from raylane.train.phases import PhaseClock
 
     phases = PhaseClock()
     with user_mistakes(), phases.phase("preflight"):
         check_run_inputs(cfg)  # resume checkpoint and tracking store, before Ray starts
+    _train_and_report(cfg, phases, resume_run_id=resume)
+
+
+def _train_and_report(cfg: RaylaneConfig, phases, report=None, **run_options) -> None:
+    """Run the job on Ray (connected or started here), print its outcome (and what `report`
+    prints of it), then its phases."""
+    from raylane.train.job import record_phases, run_training
+
     with on_ray(phases=phases):
-        outcome = run_training(cfg, resume_run_id=resume, phases=phases)
+        outcome = run_training(cfg, phases=phases, **run_options)
     _print_outcome(cfg, outcome)
+    if report is not None:
+        report(outcome)
     record_phases(outcome, phases)
     console.print(phases.line(), highlight=False, soft_wrap=True)
 
@@ -95,11 +105,11 @@ def finetune(
         raise fail(f"{config}: no finetune: section (raylane train trains from scratch)")
     from raylane.tracking import resolve_tracking_uri
     from raylane.tracking.lineage import resolve_base
-    from raylane.train.job import check_run_inputs, record_phases, run_training
+    from raylane.train.job import check_run_inputs
     from raylane.train.phases import PhaseClock
 
     phases = PhaseClock()
-    with user_mistakes(ValueError), phases.phase("preflight"):
+    with user_mistakes(), phases.phase("preflight"):
         check_run_inputs(cfg)  # the tracking store and the base, before Ray starts
         with console.status(f"loading the base model {cfg.finetune.base}"):
             base = resolve_base(cfg, resolve_tracking_uri(cfg.tracking.tracking_uri))
@@ -108,20 +118,20 @@ def finetune(
         f"method {cfg.finetune.method}",
         highlight=False,
     )
-    with on_ray(phases=phases):
-        outcome = run_training(cfg, phases=phases, base=base)
-    _print_outcome(cfg, outcome)
+    _train_and_report(cfg, phases, report=lambda o: _print_base_against(cfg, o), base=base)
+
+
+def _print_base_against(cfg: RaylaneConfig, outcome) -> None:
+    """The base's validation loss on the new domain next to the fine-tuned model's."""
     from mlflow.tracking import MlflowClient
 
     metrics = MlflowClient(outcome.tracking_uri).get_run(outcome.run_id).data.metrics
     before = metrics.get("base_val_loss")  # not logged when the run resumed mid-way
-    base = "n/a" if before is None else f"{before:.4f}"
+    shown = "n/a" if before is None else f"{before:.4f}"
     after = outcome.metrics["val_loss"]
     console.print(
-        f"val_loss on {cfg.data.source}: base {base}, fine-tuned {after:.4f}", highlight=False
+        f"val_loss on {cfg.data.source}: base {shown}, fine-tuned {after:.4f}", highlight=False
     )
-    record_phases(outcome, phases)
-    console.print(phases.line(), highlight=False, soft_wrap=True)
 
 
 def _recorded(run_id: str) -> RaylaneConfig:

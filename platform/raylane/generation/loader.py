@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raylane.tracking.lineage import recorded_model_config
+from raylane.tracking.lineage import recorded_model_config, registered_state
 
 
 @dataclass(frozen=True)
@@ -67,14 +67,10 @@ def load_language_model(
 
 
 def _whole_model(tracking_uri: str, name: str, version: int, model_cfg):
-    import mlflow
-
     from raylane.models import build_model
 
-    mlflow.set_tracking_uri(tracking_uri)
-    exported = mlflow.pytorch.load_model(f"models:/{name}/{version}", map_location="cpu")
     model = build_model(model_cfg)
-    model.load_state_dict(exported.state_dict())
+    model.load_state_dict(registered_state(tracking_uri, name, version))
     return model
 
 

@@ -124,7 +124,7 @@ def resolve_base(
             apply_lora(build_model(cfg.model), finetune)
         except AdapterTargetError as exc:
             raise BaseModelError(str(exc)) from None
-    state = _registered_state(tracking_uri, ref.name, int(found.version))
+    state = registered_state(tracking_uri, ref.name, int(found.version))
     digest = weights_digest(state)
     if expect_digest and digest != expect_digest:
         raise BaseModelError(
@@ -149,7 +149,9 @@ def _logged_model_id(version) -> str | None:
     return source.removeprefix("models:/") if source.startswith("models:/m-") else None
 
 
-def _registered_state(tracking_uri: str, name: str, version: int) -> dict:
+def registered_state(tracking_uri: str, name: str, version: int) -> dict:
+    """The weights of registered `version` of `name` (a whole model, as torch.export logged
+    it), by parameter name."""
     import mlflow
 
     mlflow.set_tracking_uri(tracking_uri)

@@ -91,6 +91,22 @@ def _layouts(
     return [(workers, 1, 1)]
 
 
+def _combinations(space, extra_keys: list[str]):
+    """Every (strategy, workers, (dp, pp, tp), micro-batches, batch size, compression,
+    checkpointing, *extra) of the space; micro-batch counts only where there are stages."""
+    for strategy, workers in itertools.product(space.strategy, space.workers):
+        for layout in _layouts(strategy, workers, space.pp, space.tp):
+            pipelined = strategy in PIPELINED or layout[1] > 1
+            yield from itertools.product(
+                [strategy], [workers], [layout],
+                space.microbatches if pipelined else [1],
+                space.batch_size,
+                space.grad_compression,
+                space.activation_checkpointing,
+                *(space.extra[k] for k in extra_keys),
+            )  # fmt: skip
+
+
 def enumerate_candidates(spec: TuneSpec) -> tuple[list[Candidate], list[Pruned]]:
     """Every combination of the space, split into launchable candidates and pruned ones."""
     space, budget = spec.search, spec.constraints
@@ -98,41 +114,32 @@ def enumerate_candidates(spec: TuneSpec) -> tuple[list[Candidate], list[Pruned]]
     pruned: list[Pruned] = []
     seen: set[str] = set()
     extra_keys = list(space.extra)
-    for strategy, workers in itertools.product(space.strategy, space.workers):
-        for (dp, pp, tp), micro, batch, compression, ac, *extra in (
-            (layout, *rest)
-            for layout in _layouts(strategy, workers, space.pp, space.tp)
-            for rest in itertools.product(
-                space.microbatches if strategy in PIPELINED or layout[1] > 1 else [1],
-                space.batch_size,
-                space.grad_compression,
-                space.activation_checkpointing,
-                *(space.extra[k] for k in extra_keys),
-            )
-        ):
-            candidate = Candidate(
-                {
-                    "parallelism.strategy": strategy,
-                    "parallelism.workers": workers,
-                    "parallelism.dp": dp,
-                    "parallelism.pp": pp,
-                    "parallelism.tp": tp,
-                    "parallelism.microbatches": micro,
-                    "training.batch_size": batch,
-                    "parallelism.grad_compression": compression,
-                    "training.activation_checkpointing": ac,
-                    "parallelism.resources_per_worker": {"CPU": budget.cpus_per_worker},
-                    **dict(zip(extra_keys, extra, strict=True)),
-                }
-            )
-            if candidate.key in seen:
-                continue
-            seen.add(candidate.key)
-            reason = prune_reason(spec, candidate)
-            if reason:
-                pruned.append(Pruned(candidate, reason))
-            else:
-                valid.append(candidate)
+    for strategy, workers, (dp, pp, tp), micro, batch, compression, ac, *extra in _combinations(
+        space, extra_keys
+    ):
+        candidate = Candidate(
+            {
+                "parallelism.strategy": strategy,
+                "parallelism.workers": workers,
+                "parallelism.dp": dp,
+                "parallelism.pp": pp,
+                "parallelism.tp": tp,
+                "parallelism.microbatches": micro,
+                "training.batch_size": batch,
+                "parallelism.grad_compression": compression,
+                "training.activation_checkpointing": ac,
+                "parallelism.resources_per_worker": {"CPU": budget.cpus_per_worker},
+                **dict(zip(extra_keys, extra, strict=True)),
+            }
+        )
+        if candidate.key in seen:
+            continue
+        seen.add(candidate.key)
+        reason = prune_reason(spec, candidate)
+        if reason:
+            pruned.append(Pruned(candidate, reason))
+        else:
+            valid.append(candidate)
     return valid, pruned
 
 
