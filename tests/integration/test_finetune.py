@@ -9,8 +9,13 @@ the layout equivalence test, entries ddp2-lora and fsdp2-lora.)"""
 from __future__ import annotations
 
 import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import torch
 
@@ -191,3 +196,168 @@ def test_an_adapter_is_served_as_generation_and_a_resumed_run_keeps_its_base(
     tags = MlflowClient(workspace.tracking_uri).get_run(outcome.run_id).data.tags
     name, version = _base_ref(pipeline_run)
     assert pinned_base(cfg, tags).finetune.base == f"models:/{name}/{version}"
+
+
+def _register_adapter(cfg, base_tags: dict, seed: int):
+    """A second or third adapter of the same base, trained in this process (a few AdamW steps
+    on the held-out domain, so that it answers differently from the others) and registered as
+    a fine-tuning run registers one: a new version of the adapter's registered model."""
+    import mlflow
+    import numpy as np
+
+    from raylane.data.text import stdlib_source_files, token_windows
+    from raylane.generation.loader import load_language_model
+    from raylane.config.loader import config_to_yaml
+    from raylane.models.adapters import apply_lora
+    from raylane.tracking.lineage import register_adapter
+    from raylane.tracking.runs import CONFIG_ARTIFACT
+
+    base, _ = load_language_model(cfg.tracking.tracking_uri, base_tags["raylane.base_model"],
+                                  int(base_tags["raylane.base_version"]))  # fmt: skip
+    torch.manual_seed(seed)
+    model = apply_lora(base.train(), cfg.finetune)
+    files = stdlib_source_files(32768, "python-stdlib-tests")
+    x, y = token_windows(b"".join(p.read_bytes() for p in files), cfg.model.input_dim)
+    pick = np.random.default_rng(seed).choice(len(x), size=(6, 8))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=2e-2)
+    for rows in pick:
+        optimizer.zero_grad()
+        logits = model(torch.as_tensor(x[rows], dtype=torch.long))
+        loss = torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), torch.as_tensor(y[rows], dtype=torch.long).flatten()
+        )
+        loss.backward()
+        optimizer.step()
+    previous = mlflow.get_tracking_uri()
+    mlflow.set_tracking_uri(cfg.tracking.tracking_uri)
+    try:
+        mlflow.set_experiment(cfg.experiment)
+        with mlflow.start_run(run_name=f"in-process adapter {seed}"):
+            mlflow.log_text(config_to_yaml(cfg), CONFIG_ARTIFACT)  # its architecture, as runs do
+            return register_adapter(model.eval(), cfg, base_tags)[1]
+    finally:
+        mlflow.set_tracking_uri(previous)
+
+
+@pytest.fixture(scope="module")
+def adapter_server(finetuned, pipeline_run, workspace):
+    """The session's pipeline LM served for generation, holding at most 2 adapters of it, with
+    a second adapter registered beside the fine-tuning run's."""
+    from mlflow.tracking import MlflowClient
+
+    from raylane.serving.app import deploy, shutdown_serve
+
+    from .conftest import free_port, lm_overrides
+
+    cfg, outcome = finetuned
+    base_tags = MlflowClient(outcome.tracking_uri).get_run(outcome.run_id).data.tags
+    second = _register_adapter(cfg, base_tags, seed=2)
+    serve_cfg = load_config(ROOT / "configs" / "train" / "lm_pipeline.yaml", lm_overrides(
+        workspace, "serving.api=generate", "serving.model_name=pylm",
+        f"serving.port={free_port()}", "serving.generation.max_num_seqs=4",
+        "serving.generation.max_adapters=2", "serving.autoscaling.max_replicas=1",
+    ))  # fmt: skip
+    url, _ = deploy(serve_cfg)
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+    try:
+        yield url, client, (cfg, base_tags), [outcome.model_version, second]
+    finally:
+        shutdown_serve()
+
+
+def _reference(tracking_uri: str, name: str, version: int, prompt: str, max_tokens: int) -> str:
+    """The registered model's (an adapter merged into its base) own cache-free text, sampled
+    as `SAMPLING` asks (a seeded draw: the same tokens when the distributions are the same,
+    and different models' distributions differ where greedy picks may not)."""
+    from raylane.generation.engine import generate_without_cache
+    from raylane.generation.loader import load_language_model
+    from raylane.generation.sampling import SamplingParams
+
+    model, _ = load_language_model(tracking_uri, name, version)
+    params = SamplingParams(max_tokens=max_tokens, **SAMPLING)
+    return bytes(generate_without_cache(model, list(prompt.encode()), params).output).decode(
+        "utf-8", errors="replace"
+    )
+
+
+def _stats(url: str) -> dict:
+    return httpx.get(f"{url}/v2/models/pylm/stats", timeout=10).json()["model_stats"][0]
+
+
+PROMPT = "    def test_"
+SAMPLING = {"temperature": 1.0, "seed": 7}
+
+
+def test_two_adapters_of_one_base_answer_from_one_replica_each_as_itself(
+    adapter_server, pipeline_run, workspace
+):
+    url, client, _, versions = adapter_server
+    base_name, base_version = _base_ref(pipeline_run)
+    names = ["pylm", *(f"pylm:{ADAPTED}/{v}" for v in versions)]
+    uri = workspace.tracking_uri
+    expected = [_reference(uri, base_name, base_version, PROMPT, 24),
+                *(_reference(uri, ADAPTED, v, PROMPT, 24) for v in versions)]  # fmt: skip
+    assert len(set(expected)) == 3, expected  # three models that really differ
+
+    # Sent together, so that the replica decodes them in the same batches.
+    with ThreadPoolExecutor(len(names)) as pool:
+        answers = list(pool.map(lambda name: client.completions.create(
+            model=name, prompt=PROMPT, max_tokens=24, **SAMPLING), names))  # fmt: skip
+    assert [a.choices[0].text for a in answers] == expected
+    assert [a.model for a in answers] == names
+    listed = [m.id for m in client.models.list().data]
+    assert listed[0] == "pylm" and sorted(listed[1:]) == sorted(names[1:])
+    streamed = client.chat.completions.create(
+        model=names[1], messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+        stream=True, **SAMPLING)  # fmt: skip
+    assert len("".join(c.choices[0].delta.content or "" for c in streamed if c.choices)) > 0
+    oip = httpx.post(f"{url}/v2/models/{names[2]}/generate", timeout=60,
+                     json={"text_input": PROMPT, "parameters": {"max_tokens": 24,
+                                                                **SAMPLING}})  # fmt: skip
+    assert oip.status_code == 200 and oip.json()["text_output"] == expected[2]
+    assert sorted(_stats(url)["adapters"]) == sorted(names[1:])
+
+    for name, message in [
+        (f"pylm:{ADAPTED}/99", f"registered model '{ADAPTED}' has no version 99"),
+        (f"pylm:{base_name}/{base_version}", "is not a LoRA adapter"),
+        ("pylm:lm-lora-test@champion", "is not served here; available: 'pylm' and its base's"),
+        ("other", "model 'other' is not served here"),
+    ]:
+        with pytest.raises(openai.NotFoundError, match=re.escape(message)):
+            client.completions.create(model=name, prompt=PROMPT, max_tokens=4)
+
+
+def test_a_new_adapter_version_is_served_under_load_without_a_restart_or_a_failed_request(
+    adapter_server, workspace
+):
+    url, client, (cfg, base_tags), versions = adapter_server
+    pid = _stats(url)["replica_pid"]
+    stop, answered, failed = threading.Event(), [], []
+
+    def load(name: str) -> None:
+        while not stop.is_set():
+            try:
+                client.completions.create(model=name, prompt=PROMPT, max_tokens=16)
+                answered.append(name)
+            except Exception as exc:  # noqa: BLE001 - every failure is counted and shown
+                failed.append(repr(exc))
+
+    threads = [threading.Thread(target=load, args=(name,))
+               for name in ("pylm", f"pylm:{ADAPTED}/{versions[0]}")]  # fmt: skip
+    for thread in threads:
+        thread.start()
+    try:
+        third = _register_adapter(cfg, base_tags, seed=3)  # registered while requests run
+        name = f"pylm:{ADAPTED}/{third}"
+        answer = client.completions.create(model=name, prompt=PROMPT, max_tokens=24, **SAMPLING)
+        time.sleep(2)  # more load after it was installed
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(timeout=60)
+    assert answer.choices[0].text == _reference(workspace.tracking_uri, ADAPTED, third, PROMPT, 24)
+    assert failed == [] and len(answered) >= 4, (failed, len(answered))
+    stats = _stats(url)
+    assert stats["replica_pid"] == pid  # the same replica process throughout
+    # Two slots: the idle second adapter made room for the third; the busy first stayed.
+    assert sorted(stats["adapters"]) == sorted([f"pylm:{ADAPTED}/{versions[0]}", name])

@@ -61,7 +61,8 @@ ROLLING = block("raylane promote <old>")
 GENERATE = block("raylane train --config configs/train/lm_serve.yaml")
 GENERATE_DEPLOY = block("raylane deploy --config configs/train/lm_serve.yaml")
 FINETUNE = block("raylane finetune")
-OPENAI_CLIENT = block("from openai import OpenAI")
+OPENAI_CLIENT = block("for chunk in client.completions.create(")
+ADAPTERS_CLIENT = block('for model in ["pylm", "pylm:raylane-lm-lora/1"')
 JOBS = block("ray job submit")
 
 
@@ -302,6 +303,8 @@ class TestOnARunningCluster:
         assert found and float(found[2]) < float(found[1]), tuned  # it adapted to the new text
         generated = run.command("raylane generate").output
         assert "raylane-lm-lora v1" in generated and "def test_" in generated, generated
+        second = " ".join(run.commands[-1].output.split())  # a second adapter, all projections
+        assert "base: raylane-lm-serve v1" in second and "raylane-lm-lora v2" in second, second
 
 
 def test_plan_block(readme):
@@ -370,6 +373,16 @@ def test_generation_deploy_and_openai_client_blocks(readme):
             ).read()
         )  # fmt: skip
         assert streamed.stdout == whole["text_output"] + "\n" and len(whole["text_output"]) > 16
+        # The fine-tuning section's adapters (its block ran before) from the same replica.
+        adapters = subprocess.run(
+            ["python", "-c", ADAPTERS_CLIENT.text], cwd=copy, env=env, capture_output=True,
+            text=True, timeout=120,
+        )  # fmt: skip
+        assert adapters.returncode == 0, adapters.stderr[-3000:]
+        answers = [line.split(None, 1) for line in adapters.stdout.splitlines()]
+        assert [a[0] for a in answers] == ["pylm", "pylm:raylane-lm-lora/1",
+                                           "pylm:raylane-lm-lora/2"], adapters.stdout  # fmt: skip
+        assert len({a[1] for a in answers}) == 3, adapters.stdout  # three different models
     finally:
         code = server.interrupt()
     assert code != -signal.SIGKILL, server.output()[-3000:]

@@ -110,3 +110,81 @@ def test_the_reference_finetune_config_trains_about_two_percent_of_the_base():
 
     fraction = trainable_fraction(apply_lora(build_model(cfg.model), cfg.finetune))
     assert 0.01 < fraction <= 0.02, fraction
+
+
+def _trained_adapter(seed: int, **fields) -> tuple[dict, FinetuneConfig]:
+    """An adapter with non-zero updates (random B, as after training) and its settings."""
+    lora = _lora(**fields)
+    adapted = apply_lora(_base(), lora)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if ".lora_" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+    return adapter_state(adapted), lora
+
+
+def _merged(state: dict, lora: FinetuneConfig) -> GPT:
+    return merge_adapters(load_adapter(apply_lora(_base(), lora), state)).eval()
+
+
+def test_one_base_serves_several_adapters_in_one_batch_as_their_merged_models():
+    from raylane.generation.engine import GenerationEngine, generate_without_cache
+    from raylane.generation.sampling import SamplingParams
+    from raylane.models.multi_lora import AdapterCapacityError
+
+    first = _trained_adapter(1, target_modules=["q", "v"])
+    second = _trained_adapter(2, rank=8, alpha=8.0, target_modules=["k", "proj", "mlp.0"])
+    engine = GenerationEngine(_base(), max_num_seqs=4, max_adapters=2)
+    rows = [engine.adapters.add(key, state, lora.alpha / lora.rank)
+            for key, (state, lora) in (("a/1", first), ("b/1", second))]  # fmt: skip
+    assert rows == [1, 2]
+
+    # One forward over rows of no adapter, the first, the second: each row as its own model.
+    x = _tokens()
+    engine.adapters.select([0, 1, 2])
+    with torch.no_grad():
+        mixed = engine.model(x)
+        for i, model in enumerate([_base(), _merged(*first), _merged(*second)]):
+            torch.testing.assert_close(mixed[i], model(x[i : i + 1])[0], rtol=1e-5, atol=1e-5)
+    engine.adapters.select([0, 0, 0])
+    assert engine.adapters.selection.rows is None
+
+    # Greedy decoding of all three together under continuous batching, KV cache included.
+    params = SamplingParams(max_tokens=12, temperature=0)
+    prompt = list(b"def f(x):")
+    rows = [0, engine.adapters.acquire("a/1"), engine.adapters.acquire("b/1")]
+    sequences = [engine.add(prompt, params, row) for row in rows]
+    while engine.busy:
+        engine.step()
+    expected = [generate_without_cache(m, prompt, params).output
+                for m in (_base(), _merged(*first), _merged(*second))]  # fmt: skip
+    assert [s.output for s in sequences] == expected
+    assert len({tuple(o) for o in expected}) == 3  # the adapters really differ here
+    assert engine.adapters.users == {1: 0, 2: 0}
+
+    # A third adapter takes the least recently used idle row; with both rows in use, none.
+    engine.adapters.release(engine.adapters.acquire("b/1"))
+    assert engine.adapters.add("c/1", *_scaled(_trained_adapter(3))) == 1
+    assert "a/1" not in engine.adapters
+    for key in ("b/1", "c/1"):
+        engine.adapters.acquire(key)
+    with pytest.raises(AdapterCapacityError, match="all 2 adapter slots hold adapters in use"):
+        engine.adapters.add("d/1", *_scaled(_trained_adapter(4)))
+
+
+def _scaled(adapter: tuple[dict, FinetuneConfig]) -> tuple[dict, float]:
+    state, lora = adapter
+    return state, lora.alpha / lora.rank
+
+
+def test_an_adapter_that_does_not_fit_the_served_model_is_named():
+    from raylane.models.multi_lora import AdapterSet
+
+    adapters = AdapterSet(_base(), 2)
+    state, _ = _trained_adapter(1)
+    renamed = {k.replace("attn.q", "attn.qkv"): v for k, v in state.items()}
+    with pytest.raises(ValueError, match="names 'blocks.0.attn.qkv', not a linear layer"):
+        adapters.add("x/1", renamed, 2.0)
+    with pytest.raises(ValueError, match="which is not a LoRA weight"):
+        adapters.add("x/1", {"blocks.0.attn.q.weight": torch.zeros(1)}, 2.0)

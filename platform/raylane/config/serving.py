@@ -60,6 +60,23 @@ class GenerationConfig(StrictModel):
         "bytes with at least the served model's context, in the same MLflow store.",
     )
 
+    max_adapters: int = Field(
+        4,
+        ge=0,
+        le=64,
+        description="LoRA adapters of the served model's base a replica holds at once, each "
+        "requested as `<model_name>:<NAME>/<VERSION>` (the OpenAI `model` field or the OIP model "
+        "name) and loaded from the registry the first time a request names it, without a "
+        "restart; sequences of different adapters decode in one batch. The least recently used "
+        "idle adapter makes room for the next; 0 serves the model alone.",
+    )
+    merge_adapter: bool = Field(
+        True,
+        description="When the served version is a LoRA adapter: fold it into its base's "
+        "weights (no per-token adapter cost; only that model is served), or keep it separate "
+        "(false) so that other adapters of the same base can be requested beside it.",
+    )
+
     @field_validator("draft_model")
     @classmethod
     def _model_uri(cls, value: str | None) -> str | None:

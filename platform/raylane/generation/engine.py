@@ -21,6 +21,7 @@ import torch
 
 from raylane.generation.sampling import SamplingParams, probabilities, sample, verify
 from raylane.models.kv_cache import KVCache
+from raylane.models.multi_lora import AdapterSet
 
 
 @dataclass(eq=False)
@@ -36,6 +37,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop", "length" or "abort" once finished
     stopped_by: bytes = b""  # the stop sequence the output ends with
     released: int = 0  # output bytes handed out so far
+    adapter: int = 0  # row of its LoRA adapter in the engine's `AdapterSet` (0: none)
 
     @property
     def finished(self) -> bool:
@@ -96,6 +98,11 @@ class GenerationEngine:
     step, each token drawn from the draft's distribution under the request's sampling), else
     from prompt lookup (the k tokens that followed the last occurrence of the sequence's latest
     n-gram in its own prompt and output).
+
+    With `max_adapters > 0`, `adapters` holds that many LoRA adapters of the model
+    (`raylane.models.multi_lora`) and each sequence decodes through its own (`add(adapter=)`),
+    sequences of different adapters in the same batched forward. The draft proposes without
+    adapters; the adapted model checks its proposals, so output is still the adapted model's.
     """
 
     def __init__(
@@ -104,6 +111,7 @@ class GenerationEngine:
         max_num_seqs: int,
         speculate: int = 0,
         draft: torch.nn.Module | None = None,
+        max_adapters: int = 0,
     ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, not {max_num_seqs}")
@@ -119,6 +127,7 @@ class GenerationEngine:
             _check_draft(model, draft, speculate)
             self.draft = draft.eval()
             self.draft_cache = KVCache.for_model(draft, max_num_seqs, max_len=self.context)
+        self.adapters = AdapterSet(self.model, max_adapters) if max_adapters else None
         self.free = list(range(max_num_seqs - 1, -1, -1))
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}
@@ -127,14 +136,19 @@ class GenerationEngine:
         self.tokens_generated = 0
         self.finished: Counter[str] = Counter()  # sequences ended, by finish reason
 
-    def add(self, prompt: list[int], params: SamplingParams) -> Sequence:
-        """Queue a request; it starts at the next step that has a free slot.
+    def add(self, prompt: list[int], params: SamplingParams, adapter: int = 0) -> Sequence:
+        """Queue a request; it starts at the next step that has a free slot. `adapter`: the
+        row the caller acquired from `adapters` for it (0: the model alone), released when the
+        sequence ends.
 
         Raises:
-            ValueError: see `check`.
+            ValueError: see `check`, or an adapter row without an adapter set.
         """
         self.check(prompt, params)
+        if adapter and self.adapters is None:
+            raise ValueError("this engine holds no adapters (max_adapters is 0)")
         sequence = Sequence(next(self._ids), list(prompt), params, params.generator())
+        sequence.adapter = adapter
         self.waiting.append(sequence)
         return sequence
 
@@ -159,6 +173,7 @@ class GenerationEngine:
             self._free(sequence)
         elif sequence in self.waiting:
             self.waiting.remove(sequence)
+            self._release_adapter(sequence)
         sequence.finish_reason = "abort"
         self.finished["abort"] += 1
 
@@ -181,6 +196,7 @@ class GenerationEngine:
         elif decoding:
             slots = torch.tensor([s.slot for s in decoding])
             last = torch.tensor([[s.output[-1]] for s in decoding])
+            self._select(decoding)
             logits = self.model.extend(last, self.cache, slots)[:, -1]
             self.forwards += 1
             events += [self._advance(s, row) for s, row in zip(decoding, logits, strict=True)]
@@ -190,6 +206,7 @@ class GenerationEngine:
             self.cache.reset(sequence.slot)
             self.running[sequence.id] = sequence
             prompt, slot = torch.tensor([sequence.prompt]), torch.tensor([sequence.slot])
+            self._select([sequence])
             logits = self.model.extend(prompt, self.cache, slot)
             self.forwards += 1
             if self.draft is not None:  # the draft reads the prompt too
@@ -223,6 +240,7 @@ class GenerationEngine:
         drafted = [d[:r] for d, r in zip(drafted, room, strict=True)]
         rows = [[s.output[-1], *p, *[s.output[-1]] * (k - len(p))]
                 for s, p in zip(decoding, proposals, strict=True)]  # fmt: skip
+        self._select(decoding)
         logits = self.model.extend(torch.tensor(rows), self.cache, slots)
         self.forwards += 1
         events = []
@@ -293,10 +311,21 @@ class GenerationEngine:
             self.draft_cache.reset(sequence.slot)
         self.free.append(sequence.slot)
         sequence.slot = None
+        self._release_adapter(sequence)
 
-    def generate(self, prompt: list[int], params: SamplingParams) -> Sequence:
+    def _select(self, batch: list[Sequence]) -> None:
+        """Route the next forward's rows through their sequences' adapters."""
+        if self.adapters is not None:
+            self.adapters.select([s.adapter for s in batch])
+
+    def _release_adapter(self, sequence: Sequence) -> None:
+        if self.adapters is not None:
+            self.adapters.release(sequence.adapter)
+            sequence.adapter = 0
+
+    def generate(self, prompt: list[int], params: SamplingParams, adapter: int = 0) -> Sequence:
         """Run one request to its end (a convenience around `add` and `step`)."""
-        sequence = self.add(prompt, params)
+        sequence = self.add(prompt, params, adapter)
         while not sequence.finished:
             self.step()
         return sequence

@@ -21,6 +21,27 @@ class LanguageModelCard:
     parameters: int
 
 
+@dataclass(frozen=True)
+class ServedAdapter:
+    """A registered LoRA adapter ready for `raylane.models.multi_lora.AdapterSet.add`."""
+
+    key: str  # NAME/VERSION
+    state: dict
+    scale: float  # alpha / rank
+
+
+@dataclass
+class GenerationModel:
+    """What a generation replica holds: the model, the served version's card, the base that
+    per-request adapters must belong to (None when none may be added: a merged adapter), and
+    the served version's own adapter when it is an adapter kept separate from its base."""
+
+    model: object
+    card: LanguageModelCard
+    base: tuple[str, int] | None
+    own_adapter: ServedAdapter | None = None
+
+
 def load_language_model(
     tracking_uri: str,
     registered_model: str,
@@ -64,6 +85,71 @@ def load_language_model(
         sum(p.numel() for p in model.parameters()),
     )
     return model.eval(), card
+
+
+def load_generation_model(
+    tracking_uri: str, registered_model: str, version: int, *, merge: bool = True
+) -> GenerationModel:
+    """Registry `version` as a replica serves it. A whole model is also the base of adapters
+    requested per request; an adapter version is folded into its base (`merge`), or kept
+    separate so that other adapters of the same base can be served beside it.
+
+    Raises:
+        ModelNotFoundError, ValueError: as `load_language_model`.
+    """
+    from mlflow.tracking import MlflowClient
+
+    from raylane.tracking.lineage import adapter_of
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    found = client.get_model_version(registered_model, str(version))
+    adapter = adapter_of(client, found)
+    if adapter is None or merge:
+        model, card = load_language_model(tracking_uri, registered_model, version)
+        base = None if adapter else (registered_model, int(version))
+        return GenerationModel(model, card, base)
+    meta, state = adapter
+    base = (meta["base_model"], int(meta["base_version"]))
+    model, base_card = load_language_model(tracking_uri, *base)
+    card = LanguageModelCard(registered_model, int(version), found.run_id, base_card.context,
+                             base_card.parameters)  # fmt: skip
+    own = _served_adapter(f"{registered_model}/{version}", meta, state)
+    return GenerationModel(model, card, base, own)
+
+
+def load_served_adapter(tracking_uri: str, name: str, version: int, base: tuple[str, int]):
+    """Registered adapter `name` `version` as a `ServedAdapter`, checked to be an adapter of
+    `base` (registered name, version).
+
+    Raises:
+        ModelNotFoundError: no such version.
+        ValueError: it is not an adapter, or an adapter of another base (naming both).
+    """
+    from mlflow.tracking import MlflowClient
+
+    from raylane.inference import resolve_version
+    from raylane.tracking.lineage import adapter_of
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    found = resolve_version(client, tracking_uri, name, "", version)
+    adapter = adapter_of(client, found)
+    if adapter is None:
+        raise ValueError(f"{name} v{version} is not a LoRA adapter (a whole model)")
+    meta, state = adapter
+    its_base = (meta["base_model"], int(meta["base_version"]))
+    if its_base != tuple(base):
+        raise ValueError(
+            f"{name} v{version} is an adapter of {its_base[0]} v{its_base[1]}; this endpoint "
+            f"serves adapters of {base[0]} v{base[1]}"
+        )
+    return _served_adapter(f"{name}/{version}", meta, state)
+
+
+def _served_adapter(key: str, meta: dict, state: dict) -> ServedAdapter:
+    from raylane.config.finetune import FinetuneConfig
+
+    settings = FinetuneConfig.model_validate(meta["finetune"])
+    return ServedAdapter(key, state, settings.alpha / settings.rank)
 
 
 def _whole_model(tracking_uri: str, name: str, version: int, model_cfg):

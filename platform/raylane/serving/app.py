@@ -40,6 +40,7 @@ def build_app(cfg: RaylaneConfig, tracking_uri: str, version: int, api_key: str 
         args = (
             *common, generation.max_num_seqs, generation.default_max_tokens,
             generation.speculate, serving.quantization, *guard, generation.draft_model,
+            generation.max_adapters, generation.merge_adapter, serving.retry_after_s,
         )  # fmt: skip
     else:
         deployment, target = InferenceServer, serving.max_batch_size

@@ -7,9 +7,10 @@ import json
 class ProtocolError(ValueError):
     """A client mistake in an inference request; `status` is the HTTP status to answer."""
 
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status = status
+        self.headers = headers or {}
 
 
 class ServedModelError(ValueError):

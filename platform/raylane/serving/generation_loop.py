@@ -23,6 +23,7 @@ class Generation:
 
     prompt: list[int]
     params: SamplingParams
+    adapter: int = 0  # the adapter row acquired for it (0: none)
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     sequence: Sequence | None = None
     submitted: float = field(default_factory=time.perf_counter)
@@ -39,15 +40,28 @@ class GenerationLoop:
         self._by_id: dict[int, Generation] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._stepping = asyncio.Lock()  # held while the engine steps in its thread
 
-    def start(self, prompt: list[int], params: SamplingParams) -> Generation:
-        """Queue a request (checked at once: ValueError names why it cannot run)."""
-        self.engine.check(prompt, params)
-        generation = Generation(prompt, params)
+    def start(self, prompt: list[int], params: SamplingParams, adapter: int = 0) -> Generation:
+        """Queue a request (checked at once: ValueError names why it cannot run). `adapter`:
+        a row acquired from the engine's adapters, released when the request ends (also when
+        it is refused here)."""
+        try:
+            self.engine.check(prompt, params)
+        except ValueError:
+            self._release(adapter)
+            raise
+        generation = Generation(prompt, params, adapter)
         self._adds.append(generation)
         self._ensure_running()
         self._wake.set()
         return generation
+
+    async def between_steps(self, change):
+        """Run `change()` (for instance installing an adapter) while the engine is not
+        stepping, and return its result."""
+        async with self._stepping:
+            return change()
 
     def cancel(self, generation: Generation) -> None:
         """Stop `generation` at the next step boundary (its client went away)."""
@@ -83,7 +97,8 @@ class GenerationLoop:
                 continue
             started = time.perf_counter()
             try:
-                events = await asyncio.to_thread(self.engine.step)
+                async with self._stepping:
+                    events = await asyncio.to_thread(self.engine.step)
             except Exception as exc:  # noqa: BLE001 - fail the requests in flight, not the loop
                 self._fail_all(exc)
                 continue
@@ -107,6 +122,10 @@ class GenerationLoop:
             generation.events.put_nowait(error)
         self._by_id.clear()
 
+    def _release(self, adapter: int) -> None:
+        if adapter:
+            self.engine.adapters.release(adapter)
+
     def _apply_requests(self) -> None:
         aborts, self._aborts = self._aborts, []
         for generation in aborts:
@@ -115,7 +134,10 @@ class GenerationLoop:
                 self._by_id.pop(generation.sequence.id, None)
             elif generation in self._adds:
                 self._adds.remove(generation)
+                self._release(generation.adapter)
         adds, self._adds = self._adds, []
         for generation in adds:
-            generation.sequence = self.engine.add(generation.prompt, generation.params)
+            generation.sequence = self.engine.add(
+                generation.prompt, generation.params, generation.adapter
+            )
             self._by_id[generation.sequence.id] = generation

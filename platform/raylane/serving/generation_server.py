@@ -11,6 +11,7 @@ request gets 503 with Retry-After. The API-key guard and body limit are the infe
 
 # No `from __future__ import annotations` here: FastAPI must see the route parameters' real
 # types (a string annotation of `Request` on a Serve ingress method becomes a query field).
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -48,8 +49,10 @@ api.add_middleware(RequestGuard, settings=GUARD)
 @api.exception_handler(ProtocolError)
 async def _protocol_error(request: Request, exc: ProtocolError) -> JSONResponse:
     if request.url.path.startswith("/v1/"):
-        return JSONResponse(openai_error(str(exc), exc.status), status_code=exc.status)
-    return JSONResponse({"error": str(exc)}, status_code=exc.status)
+        body = openai_error(str(exc), exc.status)
+    else:
+        body = {"error": str(exc)}
+    return JSONResponse(body, status_code=exc.status, headers=exc.headers)
 
 
 @serve.deployment(name="generator")
@@ -71,11 +74,15 @@ class GenerationServer:
         max_body_bytes: int = 4 * 1024 * 1024,
         torch_threads: int = 1,
         draft_model: str | None = None,
+        max_adapters: int = 0,
+        merge_adapter: bool = True,
+        retry_after_s: float = 1.0,
     ):
         import torch
 
         from raylane.generation.engine import GenerationEngine
-        from raylane.generation.loader import load_draft_model, load_language_model
+        from raylane.generation.loader import load_draft_model, load_generation_model
+        from raylane.serving.adapter_routing import AdapterDirectory
         from raylane.serving.generation_loop import GenerationLoop
         from raylane.serving.metrics import GenerationMetrics
 
@@ -84,7 +91,8 @@ class GenerationServer:
         GUARD.max_body_bytes = max_body_bytes
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
-        model, self.card = load_language_model(tracking_uri, registered_model, version)
+        served = load_generation_model(tracking_uri, registered_model, version, merge=merge_adapter)
+        model, self.card = served.model, served.card
         self.quantization = quantization
         if quantization == "int8":
             from raylane.generation.quantize import quantize_int8
@@ -95,14 +103,19 @@ class GenerationServer:
         draft, self.draft_card = None, None
         if draft_model is not None:
             draft, self.draft_card = load_draft_model(tracking_uri, draft_model)
-        engine = GenerationEngine(model, max_num_seqs, speculate=speculate, draft=draft)
+        own = served.own_adapter is not None
+        slots = (max_adapters if served.base else 0) + own
+        engine = GenerationEngine(model, max_num_seqs, speculate, draft, max_adapters=slots)
         self.loop = GenerationLoop(engine, metrics)
+        self.adapters = AdapterDirectory(model_name, served, self.loop, tracking_uri,
+                                         retry_after_s)  # fmt: skip
 
     # OpenAI-compatible routes.
 
     @api.get("/v1/models")
     async def models(self) -> dict:
-        return {"object": "list", "data": [self._model_entry()]}
+        adapters = [self._model_entry(name) for name in self.adapters.loaded()]
+        return {"object": "list", "data": [self._model_entry(), *adapters]}
 
     @api.get("/v1/models/{name}")
     async def model(self, name: str) -> dict:
@@ -123,11 +136,11 @@ class GenerationServer:
 
     # Open Inference Protocol generate extension.
 
-    @api.post("/v2/models/{name}/generate")
+    @api.post("/v2/models/{name:path}/generate")
     async def generate(self, name: str, request: Request) -> dict:
-        self._check_name(name)
         body = parse(GenerateRequest, await request.body())
-        generation, decoder = self._start(body.text_input, body.sampling(self.default_max_tokens))
+        params = body.sampling(self.default_max_tokens)
+        generation, decoder = await self._start(name, body.text_input, params)
         text = "".join([chunk async for chunk, _ in self._chunks(generation, decoder)])
         return {
             "model_name": name,
@@ -136,11 +149,11 @@ class GenerationServer:
             "finish_reason": generation.sequence.finish_reason,
         }
 
-    @api.post("/v2/models/{name}/generate_stream")
+    @api.post("/v2/models/{name:path}/generate_stream")
     async def generate_stream(self, name: str, request: Request) -> StreamingResponse:
-        self._check_name(name)
         body = parse(GenerateRequest, await request.body())
-        generation, decoder = self._start(body.text_input, body.sampling(self.default_max_tokens))
+        params = body.sampling(self.default_max_tokens)
+        generation, decoder = await self._start(name, body.text_input, params)
 
         async def events() -> AsyncIterator[bytes]:
             async for chunk, finish in self._chunks(generation, decoder):
@@ -204,6 +217,8 @@ class GenerationServer:
                     "draft_model": self._draft_name(),
                     "quantization": self.quantization,
                     "acceptance_rate": engine.acceptance_rate,
+                    "adapters": self.adapters.loaded(),
+                    "replica_pid": os.getpid(),
                 }
             ]
         }
@@ -218,6 +233,8 @@ class GenerationServer:
             settings += f", prompt lookup {speculate}"
         if self.quantization != "none":
             settings += f", {self.quantization} weights"
+        if self.loop.engine.adapters is not None:
+            settings += f", {len(self.adapters.loaded())} adapters loaded"
         return {"version": self.card.version, "settings": settings}
 
     def _draft_name(self) -> str | None:
@@ -232,19 +249,25 @@ class GenerationServer:
                 f"model {name!r} is not served here; available: {self.model_name!r}", 404
             )
 
-    def _model_entry(self) -> dict:
-        return {
-            "id": self.model_name,
+    def _model_entry(self, name: str | None = None) -> dict:
+        entry = {
+            "id": name or self.model_name,
             "object": "model",
             "created": int(time.time()),
             "owned_by": "raylane",
             "root": f"{self.card.registered_model}/{self.card.version}",
             "max_model_len": self.card.context,
         }
+        if name:  # an adapter: its registered name and version, on the served model's base
+            entry |= {"root": name.split(":", 1)[1], "parent": self.model_name}
+        return entry
 
-    def _start(self, text: str, params):
+    async def _start(self, name: str, text: str, params):
+        """Queue `text` for model `name` (the served model or one of its base's adapters)."""
+        tokens = prompt_tokens(text)
+        adapter = await self.adapters.acquire(name)
         try:
-            generation = self.loop.start(prompt_tokens(text), params)
+            generation = self.loop.start(tokens, params, adapter)
         except ValueError as exc:
             raise ProtocolError(str(exc)) from None
         return generation, TextStream()
@@ -258,28 +281,26 @@ class GenerationServer:
                 yield text, finish
 
     async def _complete(self, kind: str, body) -> Response:
-        self._check_name(body.model)
-        generation, decoder = self._start(body.text(), body.sampling(self.default_max_tokens))
+        params = body.sampling(self.default_max_tokens)
+        generation, decoder = await self._start(body.model, body.text(), params)
         request_id = completion_id("chatcmpl" if kind.startswith("chat") else "cmpl")
         prompt_count = len(generation.prompt)
         if not body.stream:
             text = "".join([chunk async for chunk, _ in self._chunks(generation, decoder)])
             finish = generation.sequence.finish_reason
             use = usage(prompt_count, len(generation.sequence.output))
-            return JSONResponse(
-                completion_body(kind, request_id, self.model_name, text, finish, use)
-            )
+            return JSONResponse(completion_body(kind, request_id, body.model, text, finish, use))
 
         async def events() -> AsyncIterator[bytes]:
             chunk_kind = f"{kind}.chunk"
             async for chunk, finish in self._chunks(generation, decoder):
-                yield sse(completion_body(chunk_kind, request_id, self.model_name, chunk, finish,
+                yield sse(completion_body(chunk_kind, request_id, body.model, chunk, finish,
                                           None))  # fmt: skip
             if body.include_usage:
                 final = completion_body(
                     chunk_kind,
                     request_id,
-                    self.model_name,
+                    body.model,
                     "",
                     None,
                     usage(prompt_count, len(generation.sequence.output)),
