@@ -205,9 +205,9 @@ def _register_adapter(cfg, base_tags: dict, seed: int):
     import mlflow
     import numpy as np
 
+    from raylane.config.loader import config_to_yaml
     from raylane.data.text import stdlib_source_files, token_windows
     from raylane.generation.loader import load_language_model
-    from raylane.config.loader import config_to_yaml
     from raylane.models.adapters import apply_lora
     from raylane.tracking.lineage import register_adapter
     from raylane.tracking.runs import CONFIG_ARTIFACT

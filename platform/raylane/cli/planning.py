@@ -62,8 +62,9 @@ def plan_layouts(
         ),
     ] = None,
     precision: Annotated[
-        str, typer.Option(help="fp32 (what raylane trains with), tf32 or bf16.")
-    ] = "fp32",
+        str | None,
+        typer.Option(help="fp32, tf32 or bf16 (default: the config's training.precision)."),
+    ] = None,
     efficiency: Annotated[
         float, typer.Option(min=0.01, max=1.0, help="Share of peak FLOP/s matmuls reach.")
     ] = 0.7,
@@ -83,9 +84,10 @@ def plan_layouts(
     from raylane.plan.report import render, write_config
     from raylane.plan.search import plan, workload_for
 
-    if precision not in ("fp32", "tf32", "bf16"):
+    if precision not in (None, "fp32", "tf32", "bf16"):
         raise fail(f"--precision must be fp32, tf32 or bf16, not {precision!r}")
     cfg = load(model, None)
+    precision = precision or cfg.training.precision
     try:
         hardware = load_cluster(cluster)
         work = workload_for(cfg, global_batch or cfg.training.batch_size, precision)

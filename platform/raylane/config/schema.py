@@ -157,6 +157,15 @@ class TrainingConfig(StrictModel):
         description="Recompute each transformer block's activations in backward instead of "
         "holding them (gpt): less memory, more compute.",
     )
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="Compute precision. 'bf16': forwards under bf16 autocast (the loss on fp32 "
+        "logits), the parameters, gradients and optimizer state fp32 (master weights); FSDP2 "
+        "also gathers parameters in bf16 and reduce-scatters gradients in fp32. It pays off on "
+        "GPUs with bf16 and on CPUs with avx512_bf16 or AMX (the run says which) once the "
+        "matrices are large; elsewhere bf16 is emulated, slower than fp32. Recorded with the "
+        "run and used by the cost models.",
+    )
     resume_from: Path | None = Field(
         None,
         description="A checkpoint directory of an earlier run (runs/<run>/epoch_NNNN) to "

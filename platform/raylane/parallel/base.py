@@ -18,6 +18,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from raylane.parallel.meters import ActivationMeter
+from raylane.parallel.precision import autocast
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -84,7 +85,8 @@ class StrategyDefaults:
     plain model, evaluation on this worker's device, no epoch stats.
 
     The step is zero_grad -> forward -> backward -> `sync_gradients` -> optimizer step (unless
-    the strategy's parameters are updated elsewhere: `steps_optimizer`) -> `after_step`.
+    the strategy's parameters are updated elsewhere: `steps_optimizer`) -> `after_step`; the
+    forward runs in `precision` (bf16: under autocast), the loss on fp32 outputs.
     What the two hooks take, and what `backward_comm_s` says backward waited for collectives
     after its last gradient was ready, is the step's exposed communication; the rest is
     compute. Pipelines override `train_step`: their schedule drives forward and backward.
@@ -99,6 +101,8 @@ class StrategyDefaults:
     steps_optimizer = True
     #: Optimizer steps taken since the strategy's epoch stats last reset.
     steps = 0
+    #: `training.precision`: 'bf16' runs forwards under autocast (raylane.parallel.precision).
+    precision = "fp32"
 
     def sync_gradients(self, model: nn.Module) -> None:
         """After backward, before the optimizer step: make the gradients the replicas'."""
@@ -117,7 +121,9 @@ class StrategyDefaults:
     ) -> Tensor:
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(inputs.to(self.device)), targets.to(self.device))
+        with autocast(self.precision, self.device):
+            outputs = model(inputs.to(self.device))
+        loss = loss_fn(outputs.float(), targets.to(self.device))
         backward_started = time.perf_counter()
         loss.backward()
         backward_done = time.perf_counter()
@@ -146,7 +152,8 @@ class StrategyDefaults:
     def forward(
         self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     ) -> torch.Tensor | None:
-        return model(inputs.to(self.device)).cpu()
+        with autocast(self.precision, self.device):
+            return model(inputs.to(self.device)).float().cpu()
 
     def epoch_stats(self) -> dict[str, float]:
         return {}
@@ -165,6 +172,7 @@ class WholeModelReplica(StrategyDefaults):
         self.name = cfg.parallelism.strategy
         self.rank = rank
         self.activation_checkpointing = cfg.training.activation_checkpointing
+        self.precision = cfg.training.precision
         self.saves_checkpoint = rank == 0
         self.last_step_parts: dict[str, float] = {}
         self.sent_bytes = self.dense_bytes = self.steps = 0

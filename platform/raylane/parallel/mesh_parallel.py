@@ -21,6 +21,7 @@ from raylane.parallel.base import StrategyDefaults
 from raylane.parallel.collectives import average_gradients
 from raylane.parallel.mesh import build_device_mesh
 from raylane.parallel.parallelize import parallelize
+from raylane.parallel.precision import autocast
 
 
 class MeshParallel(StrategyDefaults):
@@ -36,6 +37,7 @@ class MeshParallel(StrategyDefaults):
         self.name = par.strategy
         self.device = torch.device("cuda" if par.use_gpu else "cpu")
         self.activation_checkpointing = cfg.training.activation_checkpointing
+        self.precision = cfg.training.precision
         self.mesh = build_device_mesh(ParallelDims.from_parallelism(par), self.device.type)
         self.dp, self.tp = self.mesh.dp, self.mesh.tp
         self.dp_rank, self.tp_rank = self.mesh.dp_rank, self.mesh.tp_rank
@@ -60,6 +62,7 @@ class MeshParallel(StrategyDefaults):
             model.to(self.device),
             self.mesh,
             activation_checkpointing=self.activation_checkpointing,
+            precision=self.precision,
         )
 
     def sync_gradients(self, model: nn.Module) -> None:
@@ -71,7 +74,8 @@ class MeshParallel(StrategyDefaults):
     def forward(
         self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     ) -> torch.Tensor | None:
-        outputs = model(inputs.to(self.device)).cpu()  # every tp worker takes part
+        with autocast(self.precision, self.device):
+            outputs = model(inputs.to(self.device)).float().cpu()  # every tp worker takes part
         return outputs if self.reports_loss else None
 
     def epoch_stats(self) -> dict[str, float]:

@@ -3,7 +3,8 @@ pipeline stage of it.
 
 1. tensor parallel: the model's own plan (`raylane.models.gpt_plan`) over the `tp` sub-mesh;
 2. activation checkpointing: each block recomputed in backward;
-3. FSDP2 over the `dp_shard` sub-mesh: block by block, then the rest as the root unit.
+3. FSDP2 over the `dp_shard` sub-mesh: block by block, then the rest as the root unit (with
+   bf16 `training.precision`, its mixed-precision policy: `raylane.parallel.precision`).
 
 Each step is one function and runs only where its degree (or setting) asks for it, so any
 combination of them is this one sequence. How data-parallel replicas then agree (DDP and its
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from raylane.parallel.activation_checkpoint import apply_activation_checkpointing
+from raylane.parallel.precision import fsdp_mixed_precision
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -40,20 +42,27 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
     return model
 
 
-def apply_fsdp(model: nn.Module, shard_mesh: DeviceMesh) -> nn.Module:
+def apply_fsdp(model: nn.Module, shard_mesh: DeviceMesh, precision: str = "fp32") -> nn.Module:
     """Shard `model` (a whole GPT or a pipeline stage of one) over `shard_mesh`, block by block
     and then the rest as the root unit, in place: only one block's full parameters exist at a
-    time, gathered before its forward (and again before its backward) and freed after."""
+    time, gathered before its forward (and again before its backward) and freed after; in
+    bf16 when `precision` is (the shards, gradients and optimizer state stay fp32)."""
     from torch.distributed.fsdp import fully_shard
 
+    policy = fsdp_mixed_precision(precision)
+    options = {"mp_policy": policy} if policy is not None else {}
     for block in getattr(model, "blocks", {}).values():
-        fully_shard(block, mesh=shard_mesh)
-    fully_shard(model, mesh=shard_mesh)
+        fully_shard(block, mesh=shard_mesh, **options)
+    fully_shard(model, mesh=shard_mesh, **options)
     return model
 
 
 def parallelize(
-    model: nn.Module, mesh: ParallelMesh | None, *, activation_checkpointing: bool = False
+    model: nn.Module,
+    mesh: ParallelMesh | None,
+    *,
+    activation_checkpointing: bool = False,
+    precision: str = "fp32",
 ) -> nn.Module:
     """Apply the layout's parallelisms to `model` in order (in place; returns it). `mesh` is
     None for layouts whose workers each hold the whole model (nothing to split or shard)."""
@@ -62,5 +71,5 @@ def parallelize(
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if mesh is not None and mesh.dims.fsdp_enabled:
-        apply_fsdp(model, mesh.shard_mesh)
+        apply_fsdp(model, mesh.shard_mesh, precision)
     return model

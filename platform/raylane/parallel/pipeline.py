@@ -31,6 +31,7 @@ from raylane.parallel.collectives import average_gradients
 from raylane.parallel.mesh import build_device_mesh
 from raylane.parallel.meters import ActivationMeter, StageTimer
 from raylane.parallel.parallelize import parallelize
+from raylane.parallel.precision import autocast_method, fp32_loss
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -60,6 +61,7 @@ class PipelineParallel(StrategyDefaults):
         self.name = par.strategy
         self.microbatches = par.microbatches
         self.activation_checkpointing = cfg.training.activation_checkpointing
+        self.precision = cfg.training.precision
         self.schedule_name = par.schedule
         self.device = torch.device("cuda" if par.use_gpu else "cpu")
         self.mesh = build_device_mesh(ParallelDims.from_parallelism(par), self.device.type)
@@ -89,17 +91,27 @@ class PipelineParallel(StrategyDefaults):
 
             self.device = get_device()
         module = build_stage_module(model, self.stage_index, self.bounds).to(self.device)
-        parallelize(module, self.mesh, activation_checkpointing=self.activation_checkpointing)
+        parallelize(
+            module,
+            self.mesh,
+            activation_checkpointing=self.activation_checkpointing,
+            precision=self.precision,
+        )
         self.stage = PipelineStage(
             module, self.stage_index, self.num_stages, self.device, group=self.mesh.pp_group
         )
+        # bf16: the stage's forward chunks under autocast, not the schedule's backward ones.
+        autocast_method(self.stage, "forward_one_chunk", self.precision, self.device)
         self.timer.instrument(self.stage)
         return module
 
     def _schedule_for(self, loss_fn: LossFn | None):
         if self._schedule is None:
             self._schedule = SCHEDULES[self.schedule_name](
-                self.stage, n_microbatches=self.microbatches, loss_fn=loss_fn, scale_grads=True
+                self.stage,
+                n_microbatches=self.microbatches,
+                loss_fn=None if loss_fn is None else fp32_loss(loss_fn),
+                scale_grads=True,
             )
         return self._schedule
 
@@ -143,7 +155,7 @@ class PipelineParallel(StrategyDefaults):
         with self.timer.paused():
             # The last stage's schedule computes the loss whenever it has a loss function.
             output = self._run("eval", inputs, targets, [])
-        return output.cpu() if self.reports_loss else None
+        return output.float().cpu() if self.reports_loss else None
 
     def epoch_stats(self) -> dict[str, float]:
         """Per-stage busy/idle time and activation peak, gathered from every worker; the

@@ -19,6 +19,14 @@ sum of the same measured parts:
 Memory is the worker's resident baseline plus model state (parameters, gradients, optimizer
 state, sharded as the strategy shards them) plus the activations autograd saves (per row, as
 profiled) for the micro-batches a stage holds at once.
+
+The profile measures fp32. With `training.precision: bf16` the parameters, gradients and
+optimizer state stay fp32 (`raylane.parallel.precision`); what changes is predicted from
+measured ratios: a block's saved activations (matmul inputs in bf16), autocast's bf16 copy of
+the weights held through backward, and FSDP's all-gathers in bf16. Compute stays the profiled
+fp32 seconds, which a bf16 step can miss either way: on this AMX CPU it ran at 0.69x to 1.23x
+of fp32's speed depending on the matrices' size (`benchmarks/finetune.py`), and without bf16
+matrix instructions it is slower.
 """
 
 from __future__ import annotations
@@ -30,6 +38,11 @@ from raylane.config.dims import ParallelDims
 
 _FP32 = 4  # bytes of an activation or gradient element
 _STATE_BYTES_PER_PARAM = {"adamw": 4 + 4 + 8, "sgd": 4 + 4}
+#: Bytes autograd saves per row in a GPT block under bf16 autocast against fp32: 0.553-0.558
+#: measured on blocks of width 32-256 (matmul inputs bf16; norms, softmax, the residual fp32).
+_BF16_BLOCK_ACTIVATIONS = 0.56
+#: autocast's bf16 copy of each weight, held from the forward to the backward.
+_BF16_WEIGHT_COPY_BYTES = 2
 
 
 class ProfileMismatch(ValueError):
@@ -213,8 +226,9 @@ def _sync_comm(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
         return 2 * _link(profile.get("p2p"), grad_bytes)
     if dims.sync.kind == "periodic_average":
         return (_link(ring, grad_bytes) + skew) / dims.sync.period
-    if dims.fsdp_enabled:  # reduce-scatter, and the all-gathers forward and backward
-        return 1.5 * _link(ring, grad_bytes) + skew
+    if dims.fsdp_enabled:  # reduce-scatter (fp32), the all-gathers forward and backward
+        gathered = grad_bytes / 2 if cfg.training.precision == "bf16" else grad_bytes
+        return 0.5 * _link(ring, grad_bytes) + _link(ring, gathered) + skew
     if dims.tp_enabled or dims.pp_enabled:  # gradients averaged (compressed) after backward
         sent = _link(ring, grad_bytes * _compression_ratio(cfg))
         return sent + (skew if par.workers > 1 else 0.0)
@@ -226,13 +240,17 @@ def _sync_comm(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
 def _peak_memory_mb(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
     """Baseline, model state as the strategy holds it, and activations of the micro-batches
     a stage holds at once (1 when not pipelined)."""
-    par = cfg.parallelism
+    par, bf16 = cfg.parallelism, cfg.training.precision == "bf16"
     state_per_param = _STATE_BYTES_PER_PARAM[cfg.training.optimizer]
+    if bf16:
+        state_per_param += _BF16_WEIGHT_COPY_BYTES
     in_flight = shape.micro if par.schedule == "gpipe" else min(shape.pp, shape.micro)
     ends_activations = profile["ends_activation_bytes_per_row"] * shape.rows
     if cfg.training.activation_checkpointing:  # each block keeps only its input
         activations = shape.activation_bytes * shape.stage_layers * in_flight + ends_activations
     else:
         per_row = profile["block_activation_bytes_per_row"] * shape.stage_layers
+        if bf16:
+            per_row *= _BF16_BLOCK_ACTIVATIONS
         activations = (per_row * shape.rows + ends_activations) * in_flight
     return profile["baseline_rss_mb"] + (state_per_param * shape.params_held + activations) / 2**20

@@ -282,6 +282,10 @@ def _job_trainer(cfg: RaylaneConfig, run_name: str, tracking_uri: str, run_id: s
         ParallelDims.from_parallelism(cfg.parallelism).describe(),
         cfg.training.epochs,
     )
+    if cfg.training.precision == "bf16":  # as the driver sees it (other nodes may differ)
+        from raylane.parallel.precision import bf16_speed
+
+        log.info(bf16_speed(cfg.parallelism.use_gpu)[1])
     return trainer
 
 
