@@ -35,15 +35,16 @@ class CausalSelfAttention(nn.Module):
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(out.transpose(1, 2).reshape(batch, length, width))
 
-    def forward_cached(self, x, cache, layer: int, slots, positions) -> torch.Tensor:
+    def forward_cached(self, x, cache, layer: int, step) -> torch.Tensor:
         """Attention of new tokens `x` `[n, new, d]` over their slots' cached prefixes plus
-        themselves; their keys and values are written to `cache` (`raylane.models.kv_cache`)."""
+        themselves; their keys and values are written to `cache` where `step` says
+        (`raylane.models.kv_cache`)."""
         batch, length, _ = x.shape
         q, k, v = self.q(x), self.k(x), self.v(x)
         width = q.shape[-1]
         shape = (batch, length, width // self.head_dim, self.head_dim)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-        keys, values, visible = cache.append(layer, slots, positions, k, v)
+        keys, values, visible = cache.append(layer, step, k, v)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
         return self.proj(out.transpose(1, 2).reshape(batch, length, width))
 
@@ -73,8 +74,8 @@ class Block(nn.Module):
         x = x + self.attn(self.ln1(x))
         return x + self.mlp(self.ln2(x))
 
-    def forward_cached(self, x, cache, layer: int, slots, positions) -> torch.Tensor:
-        x = x + self.attn.forward_cached(self.ln1(x), cache, layer, slots, positions)
+    def forward_cached(self, x, cache, layer: int, step) -> torch.Tensor:
+        x = x + self.attn.forward_cached(self.ln1(x), cache, layer, step)
         return x + self.mlp(self.ln2(x))
 
 
@@ -116,9 +117,9 @@ class GPT(nn.Module):
         """
         if self.tok_emb is None or self.head is None:
             raise ValueError("extend needs the whole model (embedding to head), not one stage")
-        positions = cache.positions(slots, tokens.shape[1])
-        x = self.tok_emb(tokens) + self.pos_emb(positions)
+        step = cache.plan(slots, tokens.shape[1])
+        x = self.tok_emb(tokens) + self.pos_emb(step.positions)
         for layer, block in enumerate(self.blocks.values()):
-            x = block.forward_cached(x, cache, layer, slots, positions)
+            x = block.forward_cached(x, cache, layer, step)
         cache.advance(slots, tokens.shape[1])
         return self.head(self.norm(x))

@@ -9,7 +9,21 @@ or dropping rejected draft tokens is only a change of its length.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class CacheStep:
+    """One forward's place in the cache (`KVCache.plan`), shared by every block."""
+
+    slots: torch.Tensor
+    positions: torch.Tensor  # [n, new]
+    length: int  # the longest prefix attention reads, new tokens included
+    mask: torch.Tensor | None  # [n, 1, new, length], None: nothing to hide
+    slot: int | None  # the one slot, when there is one
+    start: int  # its first new position
 
 
 class KVCache:
@@ -71,21 +85,43 @@ class KVCache:
             )
         return start[:, None] + torch.arange(new)[None, :]
 
+    def plan(self, slots: torch.Tensor, new: int) -> CacheStep:
+        """What one forward appending `new` tokens to each of `slots` writes and reads, worked
+        out once for all blocks: positions, the longest prefix L after it, and the attention
+        mask (None where every new token may see every position up to L: one token of one
+        slot, the decode step of a single stream).
+
+        Raises:
+            ValueError: when a slot would pass `max_len` (see `positions`).
+        """
+        positions = self.positions(slots, new)
+        length = int(positions.max()) + 1
+        if len(slots) == 1:
+            slot, start = int(slots[0]), length - new
+            mask = None
+            if new > 1:  # a prompt: each token sees the prefix and the prompt up to itself
+                mask = torch.ones(new, length, dtype=torch.bool).tril(start)[None, None]
+            return CacheStep(slots, positions, length, mask, slot, start)
+        visible = torch.arange(length)[None, None, :] <= positions[:, :, None]
+        return CacheStep(slots, positions, length, visible[:, None], None, 0)
+
     def append(
-        self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-        """Write the new keys and values `[n, heads, new, head_dim]` of block `layer` at
-        `positions`, and return what attention reads: keys and values `[n, heads, L, head_dim]`
-        of each slot's first L positions (L: the longest after appending) and a boolean mask
-        `[n, 1, new, L]` letting each new token see its own prefix only."""
+        self, layer: int, step: CacheStep, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Write the new keys and values `[n, heads, new, head_dim]` of block `layer` where
+        `step` (`plan`) puts them, and return what attention reads: keys and values
+        `[n, heads, L, head_dim]` of each slot's first L positions and the step's mask
+        `[n, 1, new, L]` letting each new token see its own prefix only (or None)."""
         keys, values = self.keys[layer], self.values[layer]
-        index = (slots[:, None], slice(None), positions)
+        if step.slot is not None:  # one slot: plain slices, views instead of gathered copies
+            keys[step.slot, :, step.start : step.length] = k[0]
+            values[step.slot, :, step.start : step.length] = v[0]
+            window = slice(step.slot, step.slot + 1)
+            return keys[window, :, : step.length], values[window, :, : step.length], step.mask
+        index = (step.slots[:, None], slice(None), step.positions)
         keys[index] = k.transpose(1, 2)  # advanced indices first: [n, new, heads, head_dim]
         values[index] = v.transpose(1, 2)
-        length = int(positions.max()) + 1
-        visible = torch.arange(length)[None, None, :] <= positions[:, :, None]
-        return keys[slots, :, :length], values[slots, :, :length], visible[:, None]
+        return keys[step.slots, :, : step.length], values[step.slots, :, : step.length], step.mask
 
     def advance(self, slots: torch.Tensor, new: int) -> None:
         """Count `new` positions as written to each of `slots` (after every block wrote them)."""
