@@ -29,7 +29,7 @@ log = logging.getLogger("raylane")
 
 # What must match before a re-run is worth its compute. The git commit is shown but does not
 # block: a commit that changed no raylane source leaves the code digest equal.
-PRECONDITIONS = ("code", "data", "versions", "cluster")
+PRECONDITIONS = ("code", "data", "base", "versions", "cluster")
 INFORMATIONAL = {("code", "git commit"), ("code", "git dirty")}
 
 
@@ -82,6 +82,21 @@ def present_record(cfg: RaylaneConfig) -> dict[str, dict[str, str]]:
     }
 
 
+def present_base(client: MlflowClient, recorded: dict[str, str]) -> dict[str, str]:
+    """A fine-tuning run's base as the registry holds it now: the recorded version (a
+    reproduction fine-tunes that version, not where an alias points now) and the weights
+    digest its run recorded ('missing' when the version is gone). Empty for other runs."""
+    if not recorded:
+        return {}
+    name, version = recorded["base_model"], recorded["base_version"]
+    try:
+        run_id = client.get_model_version(name, version).run_id
+        digest = client.get_run(run_id).data.tags.get("raylane.weights_digest", "-")
+    except Exception:  # noqa: BLE001 - MLflow raises several kinds for a deleted version
+        digest = "missing"
+    return {"base_model": name, "base_version": version, "base_digest": digest}
+
+
 def drift_table(recorded: dict, present: dict, run_id: str) -> tuple[Table, list[Difference]]:
     """Each precondition key: recorded, present, and whether they match."""
     drift = differences(recorded, present, PRECONDITIONS)
@@ -125,7 +140,9 @@ def reproduce(client: MlflowClient, run_id: str, *, allow_drift: bool, show) -> 
     from raylane.train.job import run_training
 
     cfg = recorded_config(client, run_id)
-    table, drift = drift_table(run_record(client, run_id), present_record(cfg), run_id)
+    recorded = run_record(client, run_id)
+    present = present_record(cfg) | {"base": present_base(client, recorded["base"])}
+    table, drift = drift_table(recorded, present, run_id)
     show(table)
     blocking = [d for d in drift if (d.section, d.key) not in INFORMATIONAL]
     if blocking and not allow_drift:

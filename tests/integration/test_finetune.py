@@ -361,3 +361,20 @@ def test_a_new_adapter_version_is_served_under_load_without_a_restart_or_a_faile
     assert stats["replica_pid"] == pid  # the same replica process throughout
     # Two slots: the idle second adapter made room for the third; the busy first stayed.
     assert sorted(stats["adapters"]) == sorted([f"pylm:{ADAPTED}/{versions[0]}", name])
+
+
+def test_compare_and_reproduce_read_the_base_and_its_present_weights(finetuned, pipeline_run):
+    from mlflow.tracking import MlflowClient
+
+    from raylane.reproduce import present_base
+    from raylane.tracking.compare import run_record
+
+    _, outcome = finetuned
+    client = MlflowClient(outcome.tracking_uri)
+    recorded = run_record(client, outcome.run_id)["base"]
+    name, version = _base_ref(pipeline_run)
+    assert recorded["base_model"] == name and recorded["base_version"] == str(version)
+    assert recorded["base_digest"] == base_digest(outcome)
+    assert present_base(client, recorded) == recorded  # the base's weights as they were
+    gone = present_base(client, recorded | {"base_version": "999"})
+    assert gone["base_digest"] == "missing"

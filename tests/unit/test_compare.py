@@ -38,6 +38,16 @@ def test_drift_table_marks_what_blocks_a_reproduction():
     # A new commit is shown but does not block: the code digest decides.
     _, drift = drift_table(_record(), _record({("code", "git commit"): "c2"}), "r")
     assert all((d.section, d.key) in INFORMATIONAL for d in drift) and drift
+
+
+def test_a_finetuning_runs_base_weights_are_a_precondition():
+    base = {"base_model": "lm", "base_version": "3", "base_digest": "b1"}
+    recorded = _record() | {"base": base}
+    table, drift = drift_table(recorded, _record() | {"base": base}, "r")
+    assert drift == [] and "base: base_digest" in [str(c) for c in table.columns[1]._cells]
+    _, drift = drift_table(recorded, _record() | {"base": base | {"base_digest": "b2"}}, "r")
+    assert [(d.section, d.key, d.a, d.b) for d in drift] == [("base", "base_digest", "b1", "b2")]
+    assert not INFORMATIONAL & {(d.section, d.key) for d in drift}  # it blocks
     assert "config" not in PRECONDITIONS  # the config is the recorded one by construction
 
 

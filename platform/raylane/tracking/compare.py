@@ -19,7 +19,9 @@ from raylane.config.loader import flatten
 from raylane.tracking.runs import CONFIG_ARTIFACT, SNAPSHOT_ARTIFACT
 
 # Sections of a run record, in the order a person reads them.
-SECTIONS = ("code", "data", "versions", "cluster", "config", "metrics", "weights")
+SECTIONS = ("code", "data", "base", "versions", "cluster", "config", "metrics", "weights")
+#: A fine-tuning run's lineage tags (`raylane.tracking.lineage`): its base, shown as `base`.
+BASE_TAGS = ("raylane.base_model", "raylane.base_version", "raylane.base_digest")
 FINAL_METRICS = ("train_loss", "val_loss", "val_accuracy")
 # Settings that say where outputs go, not what is computed.
 PLACE_KEYS = ("training.storage_path", "training.resume_from", "tracking.tracking_uri")
@@ -64,6 +66,7 @@ def run_record(client: MlflowClient, run_id: str) -> dict[str, dict[str, str]]:
             "git dirty": tags.get("raylane.git_dirty", "-"),
         },
         "data": {"dataset digest": tags.get("raylane.dataset_digest", "-")},
+        "base": {k.removeprefix("raylane."): tags[k] for k in BASE_TAGS if k in tags},
         "versions": {
             k: str(versions[k]) for k in ("python", "ray", "torch", "mlflow") if k in versions
         },
