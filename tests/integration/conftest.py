@@ -172,7 +172,8 @@ def workspace(tmp_path_factory) -> Workspace:
 
 @pytest.fixture(scope="session")
 def trained(ray_cluster, workspace):
-    """The reference DDP job (2 workers, Ray Data over Parquet), run once for the session.
+    """The reference DDP job (2 workers, Ray Data over Parquet), run once for the session,
+    checkpointing every 4 steps as well as every epoch.
 
     It reads through Ray Data (streaming splits); every other job of the suite uses the memory
     feed, which `auto` picks for data this small."""
@@ -182,10 +183,15 @@ def trained(ray_cluster, workspace):
     cfg = load_config(
         REFERENCE,
         workspace.overrides(
-            "training.epochs=8", "tracking.system_metrics_interval_s=1", "data.feed=ray_data"
+            *TRAINED,
+            "tracking.system_metrics_interval_s=1",
         ),
     )
     return cfg, run_training(cfg)
+
+
+#: What the reference job of `trained` computes (a run that continues it must say the same).
+TRAINED = ("training.epochs=8", "data.feed=ray_data", "training.checkpoint_every_steps=4")
 
 
 def ray_cli_path() -> str:

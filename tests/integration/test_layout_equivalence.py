@@ -47,6 +47,22 @@ LAYOUTS = {
     "3d-dp2-pp2-tp2": {"strategy": "hybrid", "schedule": "1f1b", "pp": 2, "dp": 2, "tp": 2},
     # Each of 2 stages sharded over 2 workers (FSDP2 inside the pipeline schedule).
     "pp2-fsdp2": {"strategy": "fsdp", "schedule": "1f1b", "pp": 2, "dp": 2},
+    # Context parallelism: each sequence split over cp workers, attention by ring attention;
+    # with replicas, and inside a tensor-parallel model.
+    "cp2": {"strategy": "ddp", "dp": 1, "cp": 2},
+    "cp2-dp2": {"strategy": "ddp", "dp": 2, "cp": 2},
+    "cp2-tp2": {"strategy": "tp", "dp": 1, "cp": 2, "tp": 2},
+    # Sequence parallelism: the blocks' norms and residuals on sequence shards.
+    "tp2-sp": {"strategy": "tp", "tp": 2, "dp": 1, "sequence_parallel": True},
+    "fsdp2-tp2-sp": {"strategy": "fsdp", "tp": 2, "dp": 2, "sequence_parallel": True},
+    "3d-dp2-pp2-tp2-sp": {
+        "strategy": "hybrid",
+        "schedule": "1f1b",
+        "pp": 2,
+        "dp": 2,
+        "tp": 2,
+        "sequence_parallel": True,
+    },  # fmt: skip
     "ddp2": {"strategy": "ddp", "dp": 2},
     # Averaging the replicas' parameters after every SGD step is averaging their gradients.
     "local-sgd-every-step": {"strategy": "local_sgd", "local_sgd_period": 1, "dp": 2},
@@ -61,6 +77,9 @@ LAYOUTS = {
     # skips the frozen weights) and sharded (FSDP2 over frozen and trainable parameters).
     "ddp2-lora": {"strategy": "ddp", "dp": 2, "lora": True},
     "fsdp2-lora": {"strategy": "fsdp", "tp": 1, "dp": 2, "lora": True},
+    # PEFT's users' trap: checkpointed blocks whose inputs need no gradient (the frozen
+    # embedding's output) must still give the adapters inside them theirs.
+    "ddp2-lora-ac": {"strategy": "ddp", "dp": 2, "lora": True, "activation_checkpointing": True},
     # bf16 autocast over fp32 master weights, against single-process training under the same
     # autocast on the whole global batch.
     "ddp2-bf16": {"strategy": "ddp", "dp": 2, "precision": "bf16"},
@@ -77,7 +96,7 @@ LORA = {"base": "models:/equivalence-base/1", "rank": 4, "target_modules": ["q",
 
 
 def _config(layout: dict):
-    workers = layout["dp"] * layout.get("pp", 1) * layout.get("tp", 1)
+    workers = layout["dp"] * layout.get("pp", 1) * layout.get("tp", 1) * layout.get("cp", 1)
     overrides = [
         f"training.{key}={str(value).lower()}"
         if key in TRAINING_KEYS
@@ -209,7 +228,8 @@ def _layout_worker(config, batches):
     losses = []
     for batch in batches:
         mine = batch[replica * rows : (replica + 1) * rows]
-        loss = strategy.train_step(model, optimizer, cross_entropy, mine[:, :-1], mine[:, 1:])
+        inputs, targets = strategy.local_batch(mine[:, :-1], mine[:, 1:])  # as the loop's feed
+        loss = strategy.train_step(model, optimizer, cross_entropy, inputs, targets)
         losses.append(None if loss is None else loss.item())
     # What the compressed average sent against fp32's (0.5 in fp16): compression did run.
     compressed = cfg.parallelism.grad_compression != "none"
@@ -278,14 +298,17 @@ def test_layout_training_equals_single_process(layout_records, name):
 
     records = layout_records(name)
     assert not isinstance(records, str), records  # the layout's own error, from its workers
-    by_replica = {}
+    by_replica: dict[int, list[list[float]]] = {}
     for record in records:
         losses = [loss for loss in record["losses"] if loss is not None]
-        if losses:  # one worker of each replica (a pipeline's last stage)
-            by_replica[record["dp_rank"]] = losses
+        if losses:  # a replica's reporting workers: a pipeline's last stage; every cp worker
+            by_replica.setdefault(record["dp_rank"], []).append(losses)
     assert sorted(by_replica) == list(range(dp))
-    # Each replica's loss is the mean over its half; the model's is their mean.
-    measured = [sum(step) / dp for step in zip(*by_replica.values(), strict=True)]
+    # A replica's loss is the mean over its rows (over its cp workers' equal chunks); the
+    # model's is the replicas' mean.
+    replica_losses = [[sum(step) / len(step) for step in zip(*reporters, strict=True)]
+                      for reporters in by_replica.values()]  # fmt: skip
+    measured = [sum(step) / dp for step in zip(*replica_losses, strict=True)]
     assert len(measured) == STEPS
     bf16 = cfg.training.precision == "bf16"
     loss_rel = BF16_TOLERANCE["loss_rel"] if bf16 else 1e-4

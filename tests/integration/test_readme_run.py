@@ -48,6 +48,7 @@ def block(command: str) -> Block:
 COMMAND_LINE = block("raylane prepare")
 PIPELINES = block("raylane train --config configs/train/lm_pipeline.yaml")
 SHARDED = block("raylane train --config configs/train/lm_tp.yaml")
+CONTEXT = block("raylane train --config configs/train/lm_long.yaml")
 CONSISTENCY = block("raylane train --config configs/train/digits_ddp.yaml --set parallelism")
 TUNE = block("raylane tune")
 PLAN = block("raylane plan")
@@ -207,6 +208,19 @@ class TestOnARunningCluster:
             checkpoint = copy / re.findall(r"checkpoint[\s│]+(\S+epoch_\d{4})", command.output)[-1]
             assert (checkpoint / "sharded" / ".metadata").is_file(), checkpoint
 
+    def test_context_parallel_block(self, on_cluster):
+        copy, env, _ = on_cluster
+        run = _ok(run_block(CONTEXT, copy, env, timeout_s=900), CONTEXT.where)
+        output = run.commands[0].output
+        found = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db").get_run(
+            re.search(r"MLflow run ([0-9a-f]{32})", output).group(1)
+        )
+        assert found.data.params["layout.cp"] == "2"
+        assert found.data.params["model.input_dim"] == "2048"
+        assert found.data.metrics["val_loss"] < math.log(256)  # better than a uniform guess
+        checkpoint = copy / re.findall(r"checkpoint[\s│]+(\S+epoch_\d{4})", output)[-1]
+        assert (checkpoint / "model-part000.pt").is_file(), checkpoint  # the whole model
+
     def test_consistency_block(self, on_cluster):
         copy, env, _ = on_cluster
         run = _ok(run_block(CONSISTENCY, copy, env, timeout_s=600), CONSISTENCY.where)
@@ -314,6 +328,11 @@ def test_plan_block(readme):
     written = copy / "configs" / "generated" / "gpt-1p3b-plan.yaml"
     cfg = load_config(written)  # the winner is a valid training config for 32 GPUs
     assert cfg.parallelism.workers == 32 and cfg.parallelism.use_gpu
+    by_cost = run.commands[-1].output  # ranked by expected cost per epoch, spot or on demand
+    assert "recommended: spot capacity for" in by_cost and "Young's interval" in by_cost, by_cost
+    assert load_config(
+        copy / "configs" / "generated" / "gpt-1p3b-cost-plan.yaml"
+    ).parallelism.use_gpu
 
 
 def test_mlflow_ui_block(readme):

@@ -11,6 +11,7 @@ from pathlib import Path
 import mlflow
 import numpy as np
 import pytest
+import torch
 from mlflow.tracking import MlflowClient
 
 from raylane.config import load_config
@@ -86,8 +87,43 @@ def test_checkpoint_per_epoch_holds_model_optimizer_and_epoch(trained):
         p.name for p in last.iterdir()
     }
     assert json.loads((last / "meta.json").read_text())["epoch"] == cfg.training.epochs - 1
+    # The newest two of all: the last epoch's last step checkpoint, and its end.
     kept = sorted(p.name for p in last.parent.glob("epoch_*"))
-    assert kept == [f"epoch_{e:04d}" for e in range(cfg.training.epochs - 2, cfg.training.epochs)]
+    (inside,) = [name for name in kept if name != last.name]
+    assert len(kept) == 2 and re.fullmatch(rf"{last.name}_step_\d{{6}}", inside), kept
+    step = json.loads((last.parent / inside / "meta.json").read_text())
+    assert step["epoch"] == cfg.training.epochs - 1 and step["step"] % 4 == 0
+    # Inside the epoch: some of its rows trained on, not all (the end has its own checkpoint).
+    import pyarrow.parquet as pq
+
+    assert 0 < step["rows"] < pq.read_metadata(cfg.data.train_path).num_rows
+
+
+def test_a_run_continues_exactly_from_a_checkpoint_inside_an_epoch(trained, workspace):
+    """`resume_from` a step checkpoint (what a restarted worker group gets too): the epoch's
+    remaining steps on the same batches, the same final weights and losses."""
+    from raylane.train.checkpointing import load_model_state
+    from raylane.train.job import run_training
+
+    from .conftest import TRAINED
+
+    cfg, outcome = trained
+    last = Path(outcome.checkpoint_path)
+    inside = sorted(last.parent.glob(f"{last.name}_step_*"))[-1]
+    resumed_cfg = load_config(
+        REFERENCE, workspace.overrides(*TRAINED, f"training.resume_from={inside}")
+    )
+    resumed = run_training(resumed_cfg, register=False)
+    final, again = load_model_state(last), load_model_state(Path(resumed.checkpoint_path))
+    assert final.keys() == again.keys()
+    for name in final:
+        assert torch.equal(final[name], again[name]), name
+    client = MlflowClient(workspace.tracking_uri)
+    for key in ("train_loss", "val_loss"):
+        (original,) = [m.value for m in client.get_metric_history(outcome.run_id, key)
+                       if m.step == cfg.training.epochs - 1]  # fmt: skip
+        (continued,) = [m.value for m in client.get_metric_history(resumed.run_id, key)]
+        assert continued == pytest.approx(original, rel=1e-6), key
 
 
 def test_champion_alias_resolves_to_a_model_that_predicts(trained, client, workspace):

@@ -1,9 +1,11 @@
 """The layout type every strategy name resolves to (raylane.config.dims)."""
 
+import re
+
 import pytest
 import torch
 
-from raylane.config import load_config
+from raylane.config import ConfigError, load_config
 from raylane.config.dims import MESH_DIMS, ParallelDims, Sync
 
 from .test_config import REFERENCE
@@ -18,26 +20,27 @@ def _dims(config, *overrides):
 @pytest.mark.parametrize(
     ("config", "overrides", "degrees", "sync"),
     [
-        (REFERENCE, [], (2, 1, 1, 1), Sync()),
-        (REFERENCE, ["parallelism.grad_compression=fp16"], (2, 1, 1, 1), Sync(compression="fp16")),
+        (REFERENCE, [], (2, 1, 1, 1, 1), Sync()),
+        (REFERENCE, ["parallelism.grad_compression=fp16"], (2, 1, 1, 1, 1),
+         Sync(compression="fp16")),
         (REFERENCE, ["parallelism.strategy=local_sgd", "parallelism.local_sgd_period=3"],
-         (2, 1, 1, 1), Sync("periodic_average", period=3)),
-        (REFERENCE, ["parallelism.strategy=async"], (2, 1, 1, 1),
+         (2, 1, 1, 1, 1), Sync("periodic_average", period=3)),
+        (REFERENCE, ["parallelism.strategy=async"], (2, 1, 1, 1, 1),
          Sync("parameter_server", staleness=None, shards=2)),
-        (REFERENCE, ["parallelism.strategy=ssp", "parallelism.staleness=3"], (2, 1, 1, 1),
+        (REFERENCE, ["parallelism.strategy=ssp", "parallelism.staleness=3"], (2, 1, 1, 1, 1),
          Sync("parameter_server", staleness=3, shards=2)),
-        (LM, [], (1, 1, 2, 1), Sync()),
+        (LM, [], (1, 1, 2, 1, 1), Sync()),
         (LM, ["parallelism.strategy=hybrid", "parallelism.workers=4", "parallelism.dp=2"],
-         (2, 1, 2, 1), Sync()),
+         (2, 1, 2, 1, 1), Sync()),
         (LM, ["parallelism.strategy=hybrid", "parallelism.workers=8", "parallelism.dp=2",
-              "parallelism.tp=2"], (2, 1, 2, 2), Sync()),
-        ("configs/train/lm_tp.yaml", [], (1, 1, 1, 2), Sync()),
-        ("configs/train/lm_tp.yaml", ["parallelism.workers=4"], (2, 1, 1, 2), Sync()),
+              "parallelism.tp=2"], (2, 1, 2, 1, 2), Sync()),
+        ("configs/train/lm_tp.yaml", [], (1, 1, 1, 1, 2), Sync()),
+        ("configs/train/lm_tp.yaml", ["parallelism.workers=4"], (2, 1, 1, 1, 2), Sync()),
         ("configs/train/lm_tp.yaml", ["parallelism.workers=4", "parallelism.grad_compression=topk"],
-         (2, 1, 1, 2), Sync(compression="topk")),
-        ("configs/train/lm_fsdp.yaml", [], (1, 2, 1, 1), Sync()),
+         (2, 1, 1, 1, 2), Sync(compression="topk")),
+        ("configs/train/lm_fsdp.yaml", [], (1, 2, 1, 1, 1), Sync()),
         ("configs/train/lm_fsdp.yaml", ["parallelism.workers=4", "parallelism.tp=2"],
-         (1, 2, 1, 2), Sync()),
+         (1, 2, 1, 1, 2), Sync()),
     ],
 )  # fmt: skip
 def test_every_strategy_name_is_a_preset_of_one_layout(config, overrides, degrees, sync):
@@ -55,7 +58,7 @@ def test_coordinates_are_the_meshs_row_major_order():
         where = dims.coordinates(rank)
         assert grid[tuple(where[name] for name in MESH_DIMS)].item() == rank
     # A tensor-parallel group is neighbouring ranks, then the stages, then the replicas.
-    assert dims.coordinates(5) == {"dp_replicate": 1, "dp_shard": 0, "pp": 0, "tp": 1}
+    assert dims.coordinates(5) == {"dp_replicate": 1, "dp_shard": 0, "pp": 0, "cp": 0, "tp": 1}
     assert [dims.data_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     hsdp = ParallelDims(dp_replicate=2, dp_shard=3)
     assert [hsdp.data_rank(r) for r in range(6)] == [0, 1, 2, 3, 4, 5]
@@ -78,9 +81,39 @@ def test_layout_describes_itself_and_names_impossible_degrees():
     assert ssp.describe() == "dp 2 (2 workers): parameter server on 2 shards, staleness at most 2"
     assert ssp.as_params() == {
         "layout.dp_replicate": "2", "layout.dp_shard": "1", "layout.pp": "1", "layout.tp": "1",
-        "layout.cp": "1", "layout.sync": "parameter_server",
+        "layout.cp": "1", "layout.sync": "parameter_server", "layout.sequence_parallel": "false",
     }  # fmt: skip
+    sequence = _dims(LM, "parallelism.strategy=tp", "parallelism.pp=1", "parallelism.tp=2",
+                     "parallelism.sequence_parallel=true")  # fmt: skip
+    assert sequence.describe() == "tp 2 (sequence-parallel) (2 workers)"
     with pytest.raises(ValueError, match="layout: tp must be at least 1"):
         ParallelDims(tp=0)
-    with pytest.raises(ValueError, match="context parallelism is not available yet"):
-        ParallelDims(cp=2)
+    with pytest.raises(ValueError, match="sequence parallelism .* it needs tp > 1"):
+        ParallelDims(sequence_parallel=True)
+    with pytest.raises(ValueError, match="context parallelism .* not yet with FSDP or pipeline"):
+        ParallelDims(cp=2, dp_shard=2)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["parallelism.strategy=fsdp", "parallelism.cp=2", "parallelism.workers=4",
+          "parallelism.pp=1"], "splits sequences over workers of a 'ddp' or 'tp' layout"),
+        (["parallelism.strategy=ddp", "parallelism.cp=3", "parallelism.workers=3",
+          "parallelism.pp=1"], "cuts each sequence into 2 * cp = 6 equal chunks"),
+        (["parallelism.strategy=ddp", "parallelism.cp=2", "parallelism.workers=3",
+          "parallelism.pp=1"], "workers (3) is not divisible by cp (2)"),
+    ],
+)  # fmt: skip
+def test_context_parallel_layouts_are_checked(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(LM, overrides)
+
+
+def test_a_context_parallel_layout_splits_the_sequence_and_keeps_the_replicas():
+    dims = _dims(LM, "parallelism.strategy=ddp", "parallelism.cp=2", "parallelism.workers=4",
+                 "parallelism.pp=1")  # fmt: skip
+    assert (dims.dp_replicate, dims.cp, dims.world_size) == (2, 2, 4)
+    assert dims.describe() == "dp 2 x cp 2 (4 workers): gradients all-reduced"
+    # The two workers of one replica read the same rows: their data rank is the replica's.
+    assert [dims.data_rank(r) for r in range(4)] == [0, 0, 1, 1]

@@ -127,3 +127,22 @@ def test_an_unknown_catalog_field_is_refused(tmp_path):
     spec.write_text("nodes: 1\ndevices_per_node: 1\naccelerator: x1\n")
     with pytest.raises(ValueError, match="inter_node_gbps: Field required"):
         load_cluster(spec, catalog)
+
+
+def test_sequence_parallelism_divides_the_norm_and_residual_activations_by_tp():
+    from dataclasses import replace
+
+    from raylane.plan.cost import _activation_bytes
+
+    work = Workload(GPTShape(256, 1024, 512, 8), 8, 32)
+    plain = Layout.of("tp", dp=1, tp=4)
+    sequence = Layout(replace(plain.dims, sequence_parallel=True))
+    s, h, a, t, b = work.seq, work.shape.d_model, work.n_heads, 4, 1.0
+    assert (s, h) == (1024, 512)
+    per_layer = {k: s * b * h * (k + 24 / t + 5 * a * s / (h * t)) * work.value_bytes / 2
+                 for k in (10, 10 / t)}  # fmt: skip
+    saved = (per_layer[10] - per_layer[10 / t]) * work.shape.n_layers
+    assert _activation_bytes(work, plain, b) - _activation_bytes(work, sequence, b) == (
+        pytest.approx(saved)
+    )
+    assert sequence.describe() == "tp dp1 tp4-sp"

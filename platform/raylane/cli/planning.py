@@ -47,6 +47,38 @@ def tune(
         raise typer.Exit(1)
 
 
+ObjectiveOption = Annotated[
+    str,
+    typer.Option(
+        help="time: rank the whole cluster's layouts by step time. cost: rank layouts on 1 to "
+        "all of its nodes by expected cost per epoch, spot (preemptions included) or on "
+        "demand, from the catalog's prices."
+    ),
+]
+EpochTokensOption = Annotated[
+    float | None,
+    typer.Option(
+        min=1,
+        help="cost: tokens per epoch, e.g. 26e9 (default: training.steps_per_epoch, or a "
+        "python-stdlib source's data.max_bytes).",
+    ),
+]
+RestartOption = Annotated[
+    float | None,
+    typer.Option(
+        min=0,
+        help="cost: seconds from a spot preemption back to training (a new node, the group's "
+        "restart, the checkpoint's reload; default 300).",
+    ),
+]
+CheckpointOption = Annotated[
+    float | None,
+    typer.Option(
+        help="cost: seconds to write a checkpoint (default: fp32 weights and Adam state at 1 GB/s)."
+    ),
+]
+
+
 @app.command("plan")
 def plan_layouts(
     model: Annotated[
@@ -73,27 +105,55 @@ def plan_layouts(
         Path | None,
         typer.Option(help="Where to write the best layout's config (default: configs/generated/)."),
     ] = None,
+    objective: ObjectiveOption = "time",
+    epoch_tokens: EpochTokensOption = None,
+    restart_s: RestartOption = None,
+    checkpoint_s: CheckpointOption = None,
 ) -> None:
     """Predict the best layouts of a model on a cluster that need not exist here (step time,
-    memory per device), from its shape and a hardware catalog; write the winner's config.
+    memory per device; with --objective cost, cost per epoch on spot or on-demand capacity),
+    from its shape and a hardware catalog; write the winner's config.
 
     Example: raylane plan --model configs/plan/gpt_1p3b.yaml \\
-    --cluster configs/clusters/a100_4x8.yaml
+    --cluster configs/clusters/a100_4x8.yaml --objective cost
     """
-    from raylane.plan.hardware import HardwareError, load_cluster
-    from raylane.plan.report import render, write_config
-    from raylane.plan.search import plan, workload_for
-
     if precision not in (None, "fp32", "tf32", "bf16"):
         raise fail(f"--precision must be fp32, tf32 or bf16, not {precision!r}")
+    if objective not in ("time", "cost"):
+        raise fail(f"--objective must be time or cost, not {objective!r}")
+    cost_options = (epoch_tokens, restart_s, checkpoint_s)
+    if objective == "time" and any(option is not None for option in cost_options):
+        raise fail("--epoch-tokens, --restart-s and --checkpoint-s apply to --objective cost")
+    if checkpoint_s is not None and checkpoint_s <= 0:
+        raise fail(f"--checkpoint-s must be above 0, not {checkpoint_s:g}")
     cfg = load(model, None)
-    precision = precision or cfg.training.precision
+    cost_terms = (epoch_tokens, restart_s, checkpoint_s) if objective == "cost" else None
+    suffix = "cost-plan" if objective == "cost" else "plan"
+    target = out or Path("configs/generated") / f"{cfg.experiment}-{suffix}.yaml"
+    _plan(model, cfg, cluster, global_batch, precision or cfg.training.precision, efficiency,
+          top, target, cost_terms)  # fmt: skip
+
+
+def _plan(
+    model: Path, cfg, cluster: Path, global_batch: int | None, precision: str,
+    efficiency: float, top: int, target: Path, cost_terms: tuple | None,
+) -> None:  # fmt: skip
+    """Plan, print and write; `cost_terms` (epoch tokens, restart s, checkpoint s, each None
+    for its default) ranks by cost instead of time."""
+    from raylane.plan.hardware import HardwareError, load_cluster
+    from raylane.plan.report import render, render_costs, write_config
+    from raylane.plan.search import plan, plan_by_cost, workload_for
+
     try:
         hardware = load_cluster(cluster)
         work = workload_for(cfg, global_batch or cfg.training.batch_size, precision)
+        if cost_terms is not None:
+            terms, epoch_source = _resolve_cost_terms(cfg, work, *cost_terms)
+            result = plan_by_cost(work, hardware, terms, efficiency)
+        else:
+            result = plan(work, hardware, efficiency)
     except (HardwareError, ValueError) as exc:
         raise fail(str(exc)) from None
-    result = plan(work, hardware, efficiency)
     if not result.ranked:
         raise fail(
             f"no layout of {work.shape.total() / 1e9:.2f} B parameters fits {hardware.devices} "
@@ -101,10 +161,27 @@ def plan_layouts(
             code=1,
         )
     out_console = Console()
-    render(result, hardware, efficiency, out_console, top)
-    target = out or Path("configs/generated") / f"{cfg.experiment}-plan.yaml"
+    if cost_terms is not None:
+        render_costs(result, hardware, efficiency, out_console, top, epoch_source)
+    else:
+        render(result, hardware, efficiency, out_console, top)
     written = write_config(model, result, target)
     out_console.print(f"config: {written}", highlight=False)
+
+
+def _resolve_cost_terms(cfg, work, epoch_tokens, restart_s, checkpoint_s) -> tuple:
+    """The cost terms with each default filled in, and where the epoch's size comes from."""
+    from raylane.plan.pricing import DEFAULT_RESTART_S, CostTerms, checkpoint_seconds
+    from raylane.plan.search import epoch_tokens_for
+
+    if epoch_tokens is None:
+        epoch_tokens, epoch_source = epoch_tokens_for(cfg, work)
+    else:
+        epoch_source = "--epoch-tokens"
+    if checkpoint_s is None:
+        checkpoint_s = checkpoint_seconds(work.shape.total())
+    restart_s = DEFAULT_RESTART_S if restart_s is None else restart_s
+    return CostTerms(epoch_tokens, checkpoint_s, restart_s), epoch_source
 
 
 @app.command("profile")

@@ -1,11 +1,12 @@
 """One parallel layout: the degrees a job's workers are split by, and how replicas agree.
 
-A layout is `dp_replicate x dp_shard x pp x tp` workers (`cp` is kept at 1 until context
-parallelism lands): data-parallel replicas that each hold the whole model, data-parallel
-workers that shard its parameters, gradients and optimizer state (FSDP), pipeline stages, and
-tensor-parallel workers per block. `Sync` says how the data-parallel workers agree: an
-all-reduce of every gradient (optionally compressed), a periodic average of the parameters
-(local SGD), or a parameter server (asynchronous, or with bounded staleness).
+A layout is `dp_replicate x dp_shard x pp x cp x tp` workers: data-parallel replicas that each
+hold the whole model, data-parallel workers that shard its parameters, gradients and optimizer
+state (FSDP), pipeline stages, workers that split each sequence (context parallelism: same
+rows, different positions) and tensor-parallel workers per block. `Sync` says how the
+data-parallel workers agree: an all-reduce of every gradient (optionally compressed), a
+periodic average of the parameters (local SGD), or a parameter server (asynchronous, or with
+bounded staleness).
 
 Every strategy name a config gives (`parallelism.strategy`) is a preset of this type
 (`ParallelDims.from_parallelism`), so configs, README commands and MLflow records keep their
@@ -16,7 +17,7 @@ Python so that configs validate without importing torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
 #: Mesh dimensions, outermost first: the workers of one tensor-parallel group are neighbouring
 #: ranks (one node when a node holds a multiple of tp), then the stages, then the replicas.
-MESH_DIMS = ("dp_replicate", "dp_shard", "pp", "tp")
+MESH_DIMS = ("dp_replicate", "dp_shard", "pp", "cp", "tp")
 
 SyncKind = Literal["all_reduce", "periodic_average", "parameter_server"]
 
@@ -64,13 +65,23 @@ class ParallelDims:
     tp: int = 1
     cp: int = 1
     sync: Sync = field(default_factory=Sync)
+    #: Tensor-parallel blocks' norms and residual adds on sequence shards (needs tp > 1).
+    sequence_parallel: bool = False
 
     def __post_init__(self) -> None:
-        for name in (*MESH_DIMS, "cp"):
+        for name in MESH_DIMS:
             if getattr(self, name) < 1:
                 raise ValueError(f"layout: {name} must be at least 1 (got {getattr(self, name)})")
-        if self.cp != 1:
-            raise ValueError(f"layout: context parallelism is not available yet (cp {self.cp})")
+        if self.cp > 1 and (self.dp_shard > 1 or self.pp > 1):
+            raise ValueError(
+                f"layout: context parallelism (cp {self.cp}) combines with data-parallel "
+                "replicas and tensor parallelism, not yet with FSDP or pipeline stages"
+            )
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError(
+                "layout: sequence parallelism splits the sequence inside tensor-parallel blocks; "
+                "it needs tp > 1"
+            )
 
     @classmethod
     def from_parallelism(cls, par: ParallelismConfig) -> ParallelDims:
@@ -80,11 +91,11 @@ class ParallelDims:
         no pipeline stages; 'fsdp' with pp > 1 shards each stage over its `dp` workers."""
         strategy, workers = par.strategy, par.workers
         if strategy in ("tp", "fsdp"):
-            dp = workers // par.tp if par.dp == 1 and par.pp == 1 else par.dp
+            dp = workers // (par.tp * par.cp) if par.dp == 1 and par.pp == 1 else par.dp
         elif strategy in ("pipeline", "hybrid"):
             dp = par.dp
         else:
-            dp = workers
+            dp = workers // par.cp
         if strategy == "local_sgd":
             sync = Sync("periodic_average", period=par.local_sgd_period)
         elif strategy in ("async", "ssp"):
@@ -92,7 +103,8 @@ class ParallelDims:
             sync = Sync("parameter_server", staleness=staleness, shards=par.ps_shards)
         else:
             sync = Sync(compression=par.grad_compression)
-        return cls.preset(strategy, dp=dp, pp=par.pp, tp=par.tp, sync=sync)
+        dims = cls.preset(strategy, dp=dp, pp=par.pp, tp=par.tp, sync=sync)
+        return replace(dims, cp=par.cp, sequence_parallel=par.sequence_parallel)
 
     @classmethod
     def preset(
@@ -157,6 +169,10 @@ class ParallelDims:
     def tp_enabled(self) -> bool:
         return self.tp > 1
 
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
     def mesh_shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, name) for name in MESH_DIMS)
 
@@ -185,8 +201,12 @@ class ParallelDims:
             parts.append(f"dp_shard {self.dp_shard}")
         if self.pp > 1:
             parts.append(f"pp {self.pp}")
+        if self.cp > 1:
+            parts.append(f"cp {self.cp}")
         if self.tp > 1:
-            parts.append(f"tp {self.tp}")
+            parts.append(
+                f"tp {self.tp}" + (" (sequence-parallel)" if self.sequence_parallel else "")
+            )
         workers = self.world_size
         line = f"{' x '.join(parts)} ({workers} workers)" if parts else "1 worker"
         if self.dp_shard > 1:  # FSDP: each worker ends a step with its shard of the gradients
@@ -195,6 +215,7 @@ class ParallelDims:
 
     def as_params(self) -> dict[str, str]:
         """MLflow params under `layout.`: every degree and the synchronisation."""
-        params = {f"layout.{name}": str(getattr(self, name)) for name in (*MESH_DIMS, "cp")}
+        params = {f"layout.{name}": str(getattr(self, name)) for name in MESH_DIMS}
         params["layout.sync"] = self.sync.kind
+        params["layout.sequence_parallel"] = str(self.sequence_parallel).lower()
         return params

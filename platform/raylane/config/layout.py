@@ -39,6 +39,11 @@ def describe_stages(cfg: RaylaneConfig) -> list[str]:
     par, n_layers = cfg.parallelism, cfg.model.n_layers
     if par.strategy in SHARDED and par.pp == 1:
         return [_describe_sharded(cfg)]
+    if par.pp == 1 and par.cp > 1:
+        return [
+            f"every worker: the whole model, 2 of each sequence's {2 * par.cp} chunks "
+            f"(ring attention over {par.cp} workers); data-parallel replicas: {replicas(cfg)}"
+        ]
     if par.pp == 1:
         return [f"every worker: the whole model ({par.workers} data-parallel replicas)"]
     bounds = stage_boundaries(n_layers, par.pp, par.split_points)
@@ -64,6 +69,8 @@ def _describe_sharded(cfg: RaylaneConfig) -> str:
             f"each block's heads and MLP split over {par.tp} workers "
             f"({cfg.model.n_heads // par.tp} heads each)"
         )
+    if par.cp > 1:
+        parts.append(f"each sequence split over {par.cp} workers (ring attention)")
     if par.strategy == "fsdp":
         parts.append(f"parameters, gradients and optimizer state sharded over {dp} workers")
     else:
@@ -88,13 +95,15 @@ def _check_sharded(cfg: RaylaneConfig) -> None:
         )
     if par.strategy == "tp" and par.tp < 2:
         raise ValueError(f"parallelism: strategy 'tp' needs tp >= 2 (got {par.tp})")
-    if par.workers % par.tp:
-        raise ValueError(f"parallelism: workers ({par.workers}) is not divisible by tp ({par.tp})")
-    if par.dp * par.tp != par.workers and par.dp != 1:
-        raise ValueError(
-            f"parallelism: dp * tp = {par.dp} * {par.tp} = {par.dp * par.tp} but workers is "
-            f"{par.workers}"
-        )
+    split = par.tp * par.cp
+    named = f"tp * cp ({par.tp} * {par.cp})" if par.cp > 1 else f"tp ({par.tp})"
+    if par.workers % split:
+        raise ValueError(f"parallelism: workers ({par.workers}) is not divisible by {named}")
+    if par.dp * split != par.workers and par.dp != 1:
+        factors = f"dp * tp = {par.dp} * {par.tp}"
+        if par.cp > 1:
+            factors = f"dp * tp * cp = {par.dp} * {par.tp} * {par.cp}"
+        raise ValueError(f"parallelism: {factors} = {par.dp * split} but workers is {par.workers}")
 
 
 def check_layout(cfg: RaylaneConfig) -> None:
@@ -153,6 +162,18 @@ def _check_options(cfg: RaylaneConfig) -> None:
             f"parallelism.straggler.rank {max(par.straggler.ranks)} names no worker; "
             f"ranks are 0-{par.workers - 1}"
         )
+    if par.sequence_parallel and (par.tp == 1 or cfg.model.kind != "gpt"):
+        raise ValueError(
+            "parallelism.sequence_parallel splits the sequence inside tensor-parallel gpt "
+            "blocks; it needs model.kind 'gpt' and parallelism.tp > 1"
+        )
+    if par.sequence_parallel and cfg.model.input_dim % par.tp:
+        raise ValueError(
+            f"parallelism.sequence_parallel cuts model.input_dim ({cfg.model.input_dim} "
+            f"tokens) into tp ({par.tp}) equal parts; it must be divisible by it"
+        )
+    if par.cp > 1:
+        _check_context(cfg)
     if par.tp > 1 and par.strategy not in (*SHARDED, *PIPELINED):
         raise ValueError(
             f"parallelism.tp {par.tp} needs strategy 'tp', 'fsdp', 'pipeline' or 'hybrid' (got "
@@ -165,13 +186,35 @@ def _check_options(cfg: RaylaneConfig) -> None:
         )
 
 
+def _check_context(cfg: RaylaneConfig) -> None:
+    """Context parallelism: a gpt's sequences split over `cp` workers of a ddp or tp layout."""
+    par = cfg.parallelism
+    if par.strategy not in ("ddp", "tp") or par.pp != 1:
+        raise ValueError(
+            f"parallelism.cp {par.cp} splits sequences over workers of a 'ddp' or 'tp' layout "
+            f"(replicas, tensor parallelism); not strategy '{par.strategy}' with pp {par.pp}"
+        )
+    if cfg.model.kind != "gpt":
+        raise ValueError("parallelism.cp splits token sequences; model.kind must be 'gpt'")
+    if cfg.model.input_dim % (2 * par.cp):
+        raise ValueError(
+            f"parallelism.cp {par.cp} cuts each sequence into 2 * cp = {2 * par.cp} equal "
+            f"chunks; model.input_dim ({cfg.model.input_dim}) is not divisible by it"
+        )
+    if cfg.finetune is not None:
+        raise ValueError("parallelism.cp is not available for fine-tuning runs yet")
+
+
 def _check_data_parallel(cfg: RaylaneConfig) -> None:
     par = cfg.parallelism
-    if par.pp != 1 or par.dp not in (1, par.workers):
+    replicas = par.workers // par.cp
+    if par.workers % par.cp:
+        raise ValueError(f"parallelism: workers ({par.workers}) is not divisible by cp ({par.cp})")
+    if par.pp != 1 or par.dp not in (1, replicas):
+        uses = f"all {par.workers} workers" if par.cp == 1 else f"workers / cp = {replicas}"
         raise ValueError(
-            f"parallelism: strategy '{par.strategy}' uses all {par.workers} workers as "
-            f"data-parallel replicas; pp must be 1 (got {par.pp}) and dp 1 or "
-            f"{par.workers} (got {par.dp})"
+            f"parallelism: strategy '{par.strategy}' uses {uses} as data-parallel replicas; "
+            f"pp must be 1 (got {par.pp}) and dp 1 or {replicas} (got {par.dp})"
         )
 
 

@@ -70,6 +70,14 @@ class ParallelismConfig(StrictModel):
     tp: int = Field(
         1, ge=1, description="Tensor-parallel degree: workers each block is split over (tp, fsdp)."
     )
+    cp: int = Field(
+        1,
+        ge=1,
+        description="Context-parallel degree: workers each sequence is split over (ddp, tp). "
+        "Each holds 2 of 2*cp equal chunks (the first and last, then the next pair: equal "
+        "causal work) with their own positions and loss; attention is exact, by ring attention "
+        "(key/value blocks passed around the cp workers). workers = dp * cp (* tp).",
+    )
     microbatches: int = Field(
         1, ge=1, description="Micro-batches each batch is cut into for the pipeline schedule."
     )
@@ -94,6 +102,13 @@ class ParallelismConfig(StrictModel):
         ge=1,
         description="torch intra-op threads per worker. Default: the machine's cores divided "
         "by the workers, at least 1, so workers do not oversubscribe cores.",
+    )
+    sequence_parallel: bool = Field(
+        False,
+        description="With tp > 1: each tensor-parallel block's LayerNorms and residual adds "
+        "work on 1/tp of the sequence (Megatron-style sequence parallelism): its all-reduces "
+        "become reduce-scatter + all-gather (the same bytes) and the activations those regions "
+        "keep for backward shrink by tp (tp, fsdp x tp, 3D).",
     )
     grad_compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = Field(
         "none",

@@ -168,11 +168,24 @@ class TrainingConfig(StrictModel):
     )
     resume_from: Path | None = Field(
         None,
-        description="A checkpoint directory of an earlier run (runs/<run>/epoch_NNNN) to "
-        "continue from: weights, optimizer state and epoch count. Same model and layout.",
+        description="A checkpoint directory of an earlier run (runs/<run>/epoch_NNNN, or "
+        "epoch_NNNN_step_SSSSSS) to continue from: weights, optimizer state and where in "
+        "training it was. Same model and layout.",
     )
     checkpoints_to_keep: int = Field(
-        2, ge=1, description="How many per-epoch checkpoints to keep (newest first)."
+        2,
+        ge=1,
+        description="How many checkpoints to keep (newest first), epoch and step checkpoints "
+        "together (Ray Train keeps one list).",
+    )
+    checkpoint_every_steps: int | None = Field(
+        None,
+        ge=1,
+        description="Also checkpoint every this many optimizer steps inside an epoch "
+        "(runs/<run>/epoch_NNNN_step_SSSSSS), so a lost worker group costs at most that many "
+        "steps: a restart, or `resume_from` such a directory, continues at the next step of "
+        "the same epoch with the same batches, exactly as if nothing had stopped. None: "
+        "per-epoch checkpoints only. Synchronous layouts (not async/ssp).",
     )
     max_failures: int = Field(
         0,
@@ -235,6 +248,16 @@ class RaylaneConfig(StrictModel):
         from raylane.config.layout import check_layout
 
         check_layout(self)
+        return self
+
+    @model_validator(mode="after")
+    def _check_step_checkpoints(self) -> RaylaneConfig:
+        strategy = self.parallelism.strategy
+        if self.training.checkpoint_every_steps is not None and strategy in ("async", "ssp"):
+            raise ValueError(
+                f"training.checkpoint_every_steps needs a synchronous layout; '{strategy}' "
+                "(a parameter server's updates in flight) checkpoints per epoch only"
+            )
         return self
 
     @model_validator(mode="after")

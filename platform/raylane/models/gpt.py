@@ -32,8 +32,14 @@ class CausalSelfAttention(nn.Module):
         width = q.shape[-1]  # this rank's heads x head_dim
         shape = (batch, length, width // self.head_dim, self.head_dim)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.attention(q, k, v)
         return self.proj(out.transpose(1, 2).reshape(batch, length, width))
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of `[batch, heads, length, head_dim]` queries, keys and values over
+        the sequence they hold (context parallelism replaces it with ring attention over the
+        whole sequence's chunks: `raylane.parallel.parallelize`)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
     def forward_cached(self, x, cache, layer: int, step) -> torch.Tensor:
         """Attention of new tokens `x` `[n, new, d]` over their slots' cached prefixes plus
@@ -97,13 +103,17 @@ class GPT(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_emb is not None:
-            positions = torch.arange(x.shape[1], device=x.device)
-            x = self.tok_emb(x) + self.pos_emb(positions)
+            x = self.tok_emb(x) + self.pos_emb(self.positions(x.shape[1], x.device))
         for block in self.blocks.values():
             x = block(x)
         if self.head is not None:
             x = self.head(self.norm(x))
         return x
+
+    def positions(self, length: int, device: torch.device) -> torch.Tensor:
+        """The positions of the `length` tokens a forward gets: 0..length-1 (a context-parallel
+        worker's chunks sit elsewhere in the sequence: `raylane.parallel.parallelize`)."""
+        return torch.arange(length, device=device)
 
     def extend(self, tokens: torch.Tensor, cache, slots: torch.Tensor) -> torch.Tensor:
         """Append `tokens` `[n, new]` to the sequences in cache `slots` `[n]` and return their

@@ -77,6 +77,11 @@ class ParallelStrategy(Protocol):
         """Strategy-specific measurements of the last epoch (collective: every rank calls)."""
         ...
 
+    def local_batch(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """What this worker computes on of its rows (its chunks of each sequence under
+        context parallelism, else all of them)."""
+        ...
+
 
 class StrategyDefaults:
     """The one training step every strategy but the pipeline's runs, and what a strategy that
@@ -157,6 +162,11 @@ class StrategyDefaults:
 
     def epoch_stats(self) -> dict[str, float]:
         return {}
+
+    def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
+        """The part of a batch's rows this worker computes on: all of it (context parallelism
+        keeps its chunks of each sequence)."""
+        return inputs, targets
 
 
 class WholeModelReplica(StrategyDefaults):

@@ -1,7 +1,7 @@
 """The one device mesh of a layout (`raylane.config.dims.ParallelDims`), and where this worker
 sits on it.
 
-Every layout builds the same four named dimensions, `dp_replicate x dp_shard x pp x tp`
+Every layout builds the same five named dimensions, `dp_replicate x dp_shard x pp x cp x tp`
 (degree 1 where unused), over the process group Ray Train already initialised, so a strategy
 asks for the sub-mesh it works on by name instead of building its own.
 """
@@ -57,6 +57,23 @@ class ParallelMesh:
         if self.dims.dp_replicate == 1:
             return self.mesh["dp_shard"].get_group()
         return self.mesh["dp_replicate", "dp_shard"]._flatten("dp").get_group()
+
+    @property
+    def cp_rank(self) -> int:
+        return self.mesh.get_local_rank("cp")
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup:
+        """The workers holding the other chunks of this worker's sequences."""
+        return self.mesh["cp"].get_group()
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup:
+        """The workers whose gradients average into one model's: the data-parallel replicas
+        and, with context parallelism, the workers of each sequence's other chunks."""
+        if self.dims.cp == 1:
+            return self.dp_group
+        return self.mesh["dp_replicate", "cp"]._flatten("dp_cp").get_group()
 
     @property
     def shard_mesh(self) -> DeviceMesh:

@@ -48,10 +48,15 @@ class MeshParallel(StrategyDefaults):
         self.writes_part = rank == 0  # the assembled model
         self.last_step_parts: dict[str, float] = {}
         self.averager = None
-        if self.mesh.dims.dp_replicate > 1:
+        # Replicas, and the workers holding a sequence's other chunks, average their gradients.
+        self.cp, self.cp_rank = self.mesh.dims.cp, self.mesh.cp_rank
+        self.replicas = self.mesh.dims.dp_replicate * self.cp
+        if self.replicas > 1:
             from raylane.parallel.grad_compression import GroupAverager
 
-            self.averager = GroupAverager(par.grad_compression, self.mesh.dp_group, par.topk_ratio)
+            self.averager = GroupAverager(
+                par.grad_compression, self.mesh.replica_group, par.topk_ratio
+            )
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         if self.device.type == "cuda":
@@ -69,7 +74,15 @@ class MeshParallel(StrategyDefaults):
         # The tensor-parallel all-reduces and FSDP's all-gathers and reduce-scatters run inside
         # forward and backward: counted as compute. Replicas average here.
         if self.averager is not None:
-            average_gradients(model, self.mesh.dp_group, self.dp, self.averager)
+            average_gradients(model, self.mesh.replica_group, self.replicas, self.averager)
+
+    def local_batch(self, inputs: torch.Tensor, targets: torch.Tensor):
+        """With context parallelism, this worker's chunks of each sequence and its targets."""
+        if self.cp == 1:
+            return inputs, targets
+        from raylane.parallel.ring_attention import shard_sequence
+
+        return tuple(shard_sequence(t, 1, self.cp_rank, self.cp) for t in (inputs, targets))
 
     def forward(
         self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor

@@ -1,9 +1,12 @@
 """`parallelize`: a layout's parallelisms applied, in order, to a plain model or to one
 pipeline stage of it.
 
-1. tensor parallel: the model's own plan (`raylane.models.gpt_plan`) over the `tp` sub-mesh;
-2. activation checkpointing: each block recomputed in backward;
-3. FSDP2 over the `dp_shard` sub-mesh: block by block, then the rest as the root unit (with
+1. context parallel: the model computes on this worker's chunks of each sequence, attention by
+   ring attention over the `cp` sub-mesh (`raylane.parallel.ring_attention`);
+2. tensor parallel: the model's own plan (`raylane.models.gpt_plan`) over the `tp` sub-mesh
+   (with sequence parallelism: its norms and residuals on sequence shards);
+3. activation checkpointing: each block recomputed in backward;
+4. FSDP2 over the `dp_shard` sub-mesh: block by block, then the rest as the root unit (with
    bf16 `training.precision`, its mixed-precision policy: `raylane.parallel.precision`).
 
 Each step is one function and runs only where its degree (or setting) asks for it, so any
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from raylane.parallel.activation_checkpoint import apply_activation_checkpointing
@@ -30,15 +34,39 @@ if TYPE_CHECKING:
     from raylane.parallel.mesh import ParallelMesh
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> nn.Module:
-    """Split every block of a GPT (or of a stage) over `tp_mesh` by the model's plan, in place."""
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False
+) -> nn.Module:
+    """Split every block of a GPT (or of a stage) over `tp_mesh` by the model's plan, in place;
+    with `sequence_parallel`, the blocks' norms and residuals over sequence shards."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from raylane.models.gpt_plan import block_plan
+    from raylane.models.gpt_plan import block_io, block_plan
 
     if tp_mesh.size() > 1:
         for block in model.blocks.values():
-            parallelize_module(block, tp_mesh, block_plan())
+            parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
+            if sequence_parallel:
+                parallelize_module(block, tp_mesh, block_io())
+    return model
+
+
+def apply_context_parallel(model: nn.Module, cp_group, cp_rank: int, cp: int) -> nn.Module:
+    """Make `model` (a whole GPT) compute on this worker's chunks of each sequence (in place):
+    its positions are the chunks' own (`ring_attention.positions_for`), and every block's
+    attention is ring attention over the `cp_group` workers, which hold the other chunks. The
+    inputs it is given are already this worker's part (`shard_sequence`, by the strategy)."""
+    from raylane.parallel.ring_attention import positions_for, ring_attention
+
+    def positions(length: int, device) -> torch.Tensor:
+        return positions_for(length * cp, cp_rank, cp).to(device)
+
+    def attention(q, k, v):
+        return ring_attention(q, k, v, cp_group)
+
+    model.positions = positions
+    for block in model.blocks.values():
+        block.attn.attention = attention
     return model
 
 
@@ -66,8 +94,10 @@ def parallelize(
 ) -> nn.Module:
     """Apply the layout's parallelisms to `model` in order (in place; returns it). `mesh` is
     None for layouts whose workers each hold the whole model (nothing to split or shard)."""
+    if mesh is not None and mesh.dims.cp_enabled:
+        apply_context_parallel(model, mesh.cp_group, mesh.cp_rank, mesh.dims.cp)
     if mesh is not None and mesh.dims.tp_enabled:
-        apply_tensor_parallel(model, mesh.tp_mesh)
+        apply_tensor_parallel(model, mesh.tp_mesh, mesh.dims.sequence_parallel)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if mesh is not None and mesh.dims.fsdp_enabled:

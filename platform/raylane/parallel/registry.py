@@ -35,9 +35,10 @@ def available_strategies() -> list[str]:
     return sorted(_STRATEGIES)
 
 
-def splits_dataset(name: str) -> bool:
-    """Whether Ray Train should shard the datasets across the workers of this strategy."""
-    return _strategy_class(name).splits_dataset
+def splits_dataset(name: str, cp: int = 1) -> bool:
+    """Whether Ray Train should shard the datasets across the workers of this strategy (never
+    with context parallelism: a sequence's chunks are read by several workers)."""
+    return cp == 1 and _strategy_class(name).splits_dataset
 
 
 def get_strategy(cfg: RaylaneConfig, rank: int) -> ParallelStrategy:
@@ -47,6 +48,9 @@ def get_strategy(cfg: RaylaneConfig, rank: int) -> ParallelStrategy:
     else each stage is: replicated, tensor parallel, sharded); otherwise the strategy named."""
     from raylane.config.dims import ParallelDims
 
-    if ParallelDims.from_parallelism(cfg.parallelism).pp_enabled:
+    dims = ParallelDims.from_parallelism(cfg.parallelism)
+    if dims.pp_enabled:
         return _strategy_class("pipeline")(cfg, rank)
+    if dims.cp_enabled:  # sequences split over workers: a mesh of replicas x cp (x tp)
+        return _strategy_class("tp")(cfg, rank)
     return _strategy_class(cfg.parallelism.strategy)(cfg, rank)

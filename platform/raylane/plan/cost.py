@@ -15,7 +15,9 @@ slowest link the group spans, plus a latency per ring step.
 
 Activation memory follows Korthikanti et al., "Reducing Activation Recomputation in Large
 Transformer Models" (MLSys 2023), eq. 2: s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes per layer for
-16-bit activations, 2·s·b·h with full recomputation.
+16-bit activations, 2·s·b·h with full recomputation; with sequence parallelism (their eq. 4)
+the norm and residual regions' 10·s·b·h are divided by t too, for the same tensor-parallel
+bytes (a reduce-scatter and an all-gather in place of each all-reduce).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ class Layout:
     def describe(self) -> str:
         parts = [self.strategy, f"dp{self.dp}"]
         if self.tp > 1:
-            parts.append(f"tp{self.tp}")
+            parts.append(f"tp{self.tp}" + ("-sp" if self.dims.sequence_parallel else ""))
         if self.pp > 1:
             parts += [f"pp{self.pp}", f"m{self.microbatches}", self.schedule]
         if self.activation_checkpointing:
@@ -223,7 +225,8 @@ def _activation_bytes(work: Workload, layout: Layout, micro_rows: float) -> floa
     if layout.activation_checkpointing:
         per_layer = 2 * s * micro_rows * h * scale
     else:
-        per_layer = s * micro_rows * h * (10 + 24 / t + 5 * a * s / (h * t)) * scale
+        regions = 10 / t if layout.dims.sequence_parallel else 10  # norms, residuals
+        per_layer = s * micro_rows * h * (regions + 24 / t + 5 * a * s / (h * t)) * scale
     if layout.pp == 1:
         in_flight = 1
     elif layout.schedule == "gpipe":

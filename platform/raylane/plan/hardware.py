@@ -1,7 +1,9 @@
 """The hardware a plan is for: an accelerator catalog (YAML) and a cluster spec naming one.
 
 Catalog figures are data-sheet peaks; a plan built from them says so (`basis`), unlike one
-built from measurements of the cluster itself.
+built from measurements of the cluster itself. An accelerator may also carry `pricing`: what
+a device-hour costs on demand and on spot capacity, and how often spot capacity is taken
+back; `raylane plan --objective cost` needs it.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from raylane.config.schema import StrictModel
 
@@ -18,11 +20,34 @@ Precision = Literal["fp32", "tf32", "bf16"]
 DEFAULT_CATALOG = Path(__file__).resolve().parents[3] / "configs" / "hardware" / "catalog.yaml"
 
 
+class Pricing(StrictModel):
+    """What a device-hour costs: figures a user edits for their provider, never live prices."""
+
+    on_demand_usd_per_hour: float = Field(gt=0, description="On-demand price per device-hour.")
+    spot_usd_per_hour: float = Field(gt=0, description="Spot price per device-hour.")
+    spot_interruptions_per_node_hour: float = Field(
+        ge=0,
+        description="Expected preemptions of one spot node (an instance of devices_per_node "
+        "devices) per hour it runs; a job on N nodes is stopped N times as often.",
+    )
+    source: str = Field(min_length=1, description="Where the figures come from, and when.")
+
+    @model_validator(mode="after")
+    def _spot_is_not_dearer(self) -> Pricing:
+        if self.spot_usd_per_hour > self.on_demand_usd_per_hour:
+            raise ValueError(
+                f"spot_usd_per_hour ({self.spot_usd_per_hour:g}) is above "
+                f"on_demand_usd_per_hour ({self.on_demand_usd_per_hour:g})"
+            )
+        return self
+
+
 class Accelerator(StrictModel):
     peak_flops: dict[Precision, float] = Field(description="Dense peak FLOP/s by precision.")
     memory_gb: float = Field(gt=0, description="Device memory (GB, 1e9 bytes).")
     intra_node_gbps: float = Field(gt=0, description="Per-device link within a node (GB/s).")
     inter_node_gbps: float = Field(gt=0, description="Per-device link between nodes (GB/s).")
+    pricing: Pricing | None = Field(None, description="Prices per device-hour (optional).")
 
 
 class ClusterSpec(StrictModel):
@@ -46,6 +71,10 @@ class Cluster:
     def devices(self) -> int:
         return self.spec.nodes * self.spec.devices_per_node
 
+    def with_nodes(self, nodes: int) -> Cluster:
+        """The same cluster cut to `nodes` of its nodes."""
+        return Cluster(self.spec.model_copy(update={"nodes": nodes}), self.device, self.basis)
+
 
 class HardwareError(ValueError):
     """A catalog or cluster spec that cannot be used; the message names file and field."""
@@ -63,10 +92,11 @@ def _read(path: Path) -> dict:
     return data
 
 
-def _first_error(path: Path, exc: ValidationError) -> HardwareError:
+def _first_error(path: Path, exc: ValidationError, entry: str = "") -> HardwareError:
     error = exc.errors()[0]
-    where = ".".join(str(part) for part in error["loc"])
-    return HardwareError(f"{path}: {where}: {error['msg']}")
+    where = ".".join(str(part) for part in (entry, *error["loc"]) if part != "")
+    message = error["msg"].removeprefix("Value error, ")
+    return HardwareError(f"{path}: {where}: {message}")
 
 
 def load_cluster(path: Path, catalog: Path = DEFAULT_CATALOG) -> Cluster:
@@ -83,5 +113,5 @@ def load_cluster(path: Path, catalog: Path = DEFAULT_CATALOG) -> Cluster:
     try:
         device = Accelerator.model_validate(entries[spec.accelerator])
     except ValidationError as exc:
-        raise _first_error(catalog, exc) from None
+        raise _first_error(catalog, exc, spec.accelerator) from None
     return Cluster(spec, device, basis="catalog")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from rich.console import Console
@@ -10,17 +11,12 @@ from rich.table import Table
 from raylane.config import load_config
 from raylane.config.loader import config_to_yaml
 from raylane.plan.hardware import Cluster
+from raylane.plan.pricing import LayoutCost
 from raylane.plan.search import Plan, config_overrides
 
 
 def render(result: Plan, cluster: Cluster, efficiency: float, console: Console, top: int) -> None:
-    work, spec, device = result.workload, cluster.spec, cluster.device
-    console.print(
-        f"{work.shape.total() / 1e9:.2f} B parameters, {work.global_batch} x {work.seq} tokens "
-        f"per step, {work.precision}; {spec.nodes} x {spec.devices_per_node} "
-        f"{spec.accelerator} ({cluster.devices} devices)",
-        highlight=False,
-    )
+    _print_workload(result, cluster, console)
     table = Table(title=f"best {min(top, len(result.ranked))} of {len(result.ranked)} layouts")
     for column in ("#", "layout", "step s", "tokens/s", "TFLOP/s/dev", "memory GB"):
         table.add_column(column, justify="left" if column == "layout" else "right")
@@ -38,6 +34,22 @@ def render(result: Plan, cluster: Cluster, efficiency: float, console: Console, 
             *(f"{parts[k]:.3f}" for k in ("compute", "bubble", "tp_comm", "dp_comm", "pp_comm")),
         )
     console.print(table)
+    _print_basis(result, cluster, efficiency, console)
+
+
+def _print_workload(result: Plan, cluster: Cluster, console: Console) -> None:
+    work, spec = result.workload, cluster.spec
+    console.print(
+        f"{work.shape.total() / 1e9:.2f} B parameters, {work.global_batch} x {work.seq} tokens "
+        f"per step, {work.precision}; {spec.nodes} x {spec.devices_per_node} "
+        f"{spec.accelerator} ({cluster.devices} devices)",
+        highlight=False,
+    )
+
+
+def _print_basis(result: Plan, cluster: Cluster, efficiency: float, console: Console) -> None:
+    """What did not fit, and what the predictions rest on."""
+    work, spec, device = result.workload, cluster.spec, cluster.device
     if result.pruned:
         layout, reason = min(result.pruned, key=lambda pair: pair[0].workers)
         console.print(
@@ -56,15 +68,128 @@ def render(result: Plan, cluster: Cluster, efficiency: float, console: Console, 
     )
 
 
-def write_config(base: Path, result: Plan, path: Path) -> Path:
-    """The fastest layout as a runnable training config (validated before it is written)."""
+def render_costs(
+    result: Plan, cluster: Cluster, efficiency: float, console: Console, top: int,
+    epoch_source: str,
+) -> None:  # fmt: skip
+    """The layouts ranked by expected cost per epoch, the recommendation and its figures."""
+    _print_workload(result, cluster, console)
+    nodes = cluster.spec.nodes
+    table = Table(
+        title=f"cheapest {min(top, len(result.ranked))} of {len(result.ranked)} layouts "
+        f"on 1 to {nodes} node{'s' if nodes > 1 else ''}"
+    )
+    columns = ("#", "layout", "nodes", "step s", "memory GB", "hours/epoch", "on-demand $",
+               "spot $", "$/M tokens", "capacity", "checkpoint every")  # fmt: skip
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("layout", "capacity") else "right")
+    for rank, prediction in enumerate(result.ranked[:top], start=1):
+        cost = result.costs[prediction.layout]
+        table.add_row(
+            str(rank),
+            prediction.layout.describe(),
+            str(cost.nodes),
+            f"{prediction.step_s:.3f}",
+            f"{prediction.memory_bytes / 1e9:.1f}",
+            _hours(cost.on_demand.hours),
+            _usd(cost.on_demand.usd),
+            _usd(cost.spot.usd),
+            _usd(cost.usd_per_million_tokens(cost.best)),
+            cost.best.name,
+            _interval(cost, prediction.step_s) if cost.best is cost.spot else "-",
+        )
+    console.print(table)
     best = result.ranked[0]
-    cfg = load_config(base, config_overrides(best, result.workload))
+    for line in _recommendation(result.costs[best.layout], best.layout.describe(), best.step_s):
+        console.print(line, highlight=False)
+    work = result.workload
+    console.print(
+        f"epoch: {result.terms.epoch_tokens:,.0f} tokens ({epoch_source}), "
+        f"{result.terms.epoch_tokens / (work.global_batch * work.seq):,.1f} steps",
+        highlight=False,
+    )
+    pricing = cluster.device.pricing
+    console.print(
+        f"prices per device-hour for {cluster.spec.accelerator}: "
+        f"${pricing.on_demand_usd_per_hour:g} on demand, ${pricing.spot_usd_per_hour:g} spot, "
+        f"{pricing.spot_interruptions_per_node_hour:g} spot preemptions per node-hour; "
+        f"source: {pricing.source}",
+        highlight=False,
+    )
+    _print_basis(result, cluster, efficiency, console)
+
+
+def _recommendation(cost: LayoutCost, layout: str, step_s: float) -> list[str]:
+    best, other = cost.best, cost.other
+    lines = [
+        f"recommended: {best.name} capacity for {layout} on {cost.nodes} node"
+        f"{'s' if cost.nodes > 1 else ''}: {_usd(best.usd)} per epoch, "
+        f"{cost.saving:.0%} less than {other.name} ({_usd(other.usd)}); "
+        f"{_usd(cost.usd_per_million_tokens(best))} per million tokens"
+    ]
+    if cost.optimum_s is None:
+        return [*lines, "spot: no preemptions expected (rate 0), so no checkpoints are needed"]
+    overhead = cost.spot.hours / cost.on_demand.hours - 1
+    lines.append(
+        f"spot: {cost.rate_per_hour:g} preemptions per hour on {cost.nodes} node"
+        f"{'s' if cost.nodes > 1 else ''}; checkpoint every {_interval(cost, step_s)}: "
+        f"Young's interval {cost.young_s / 60:.1f} min, Daly's optimum "
+        f"{cost.optimum_s / 60:.1f} min, for {cost.checkpoint_s:.0f} s per checkpoint and "
+        f"{cost.restart_s:.0f} s per restart; {overhead:.1%} expected overhead"
+    )
+    return [
+        *lines,
+        "the written config checkpoints at that interval (training.checkpoint_every_steps)",
+    ]
+
+
+def cost_notes(cost: LayoutCost) -> list[str]:
+    """The recommendation as comment lines for a written config."""
+    best = cost.best
+    lines = [
+        f"raylane plan --objective cost: {best.name} capacity, expected {_usd(best.usd)} per "
+        f"epoch ({cost.other.name}: {_usd(cost.other.usd)})."
+    ]
+    if best is cost.spot and cost.checkpoint_steps is not None:
+        lines.append(
+            f"On spot, a checkpoint every {cost.checkpoint_steps} steps minimises the expected "
+            "cost (training.checkpoint_every_steps)."
+        )
+    return lines
+
+
+def _interval(cost: LayoutCost, step_s: float) -> str:
+    if cost.checkpoint_steps is None:
+        return "-"
+    return f"{cost.checkpoint_steps} steps, {cost.checkpoint_steps * step_s / 60:.1f} min"
+
+
+def _usd(amount: float) -> str:
+    if math.isinf(amount):
+        return "unbounded"
+    if amount >= 100:
+        return f"${amount:,.0f}"
+    return f"${amount:.2f}" if amount >= 1 else f"${amount:#.3g}"
+
+
+def _hours(hours: float) -> str:
+    return f"{hours:,.1f}" if hours >= 10 else f"{hours:#.3g}"
+
+
+def write_config(base: Path, result: Plan, path: Path) -> Path:
+    """The first-ranked layout as a runnable training config (validated before it is
+    written); ranked by cost, its header also says which capacity and checkpoint interval."""
+    best = result.ranked[0]
+    cost = result.costs.get(best.layout)
+    steps = cost.checkpoint_steps if cost and cost.best is cost.spot else None
+    cfg = load_config(base, config_overrides(best, result.workload, steps))
     path.parent.mkdir(parents=True, exist_ok=True)
     header = (
         f"# raylane plan: {best.layout.describe()} on {best.layout.workers} GPUs, predicted "
         f"{best.step_s:.3f} s per step, {best.memory_bytes / 1e9:.1f} GB per device.\n"
     )
+    if cost is not None:
+        header += "".join(f"# {line}\n" for line in cost_notes(cost))
     path.write_text(header + config_to_yaml(cfg))
     return path
 

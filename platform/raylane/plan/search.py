@@ -1,23 +1,28 @@
-"""Every layout raylane can run on a cluster, predicted, pruned by memory and ranked."""
+"""Every layout raylane can run on a cluster, predicted, pruned by memory and ranked: by step
+time on the whole cluster, or by expected cost per epoch on any number of its nodes."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from raylane.config import RaylaneConfig
 from raylane.config.dims import ParallelDims
 from raylane.plan.cost import DEFAULT_EFFICIENCY, Layout, Prediction, Workload, predict
 from raylane.plan.hardware import Cluster, Precision
 from raylane.plan.memory import GPTShape
+from raylane.plan.pricing import CostTerms, LayoutCost, price_layout
 
 MICROBATCH_FACTORS = (1, 2, 4, 8)  # micro-batches per pipeline stage
 
 
 @dataclass
 class Plan:
-    ranked: list[Prediction]  # fitting layouts, fastest first
+    ranked: list[Prediction]  # fitting layouts, fastest (or cheapest) first
     pruned: list[tuple[Layout, str]]  # did not fit (or cannot run), with the reason
     workload: Workload
+    # Ranked by cost (`plan_by_cost`): each layout's expected cost, and what it rests on.
+    costs: dict[Layout, LayoutCost] = field(default_factory=dict)
+    terms: CostTerms | None = None
 
 
 def workload_for(cfg: RaylaneConfig, global_batch: int, precision: Precision) -> Workload:
@@ -26,6 +31,26 @@ def workload_for(cfg: RaylaneConfig, global_batch: int, precision: Precision) ->
         raise ValueError(f"model.kind must be 'gpt' to plan its layouts, not '{model.kind}'")
     shape = GPTShape(model.num_classes, model.input_dim, model.d_model, model.n_layers)
     return Workload(shape, model.n_heads, global_batch, precision)
+
+
+STDLIB_SOURCES = ("python-stdlib", "python-stdlib-tests")
+
+
+def epoch_tokens_for(cfg: RaylaneConfig, work: Workload) -> tuple[float, str]:
+    """Tokens in one epoch of the config's training data, and where the figure comes from:
+    `training.steps_per_epoch` steps, else the byte budget of a standard-library source (one
+    token per byte, less the validation share). Other sources are not read: an error."""
+    steps = cfg.training.steps_per_epoch
+    if steps:
+        return steps * work.global_batch * work.seq, f"training.steps_per_epoch ({steps})"
+    data = cfg.data
+    if data.source in STDLIB_SOURCES:
+        tokens = data.max_bytes * (1 - data.validation_fraction)
+        return tokens, f"data.max_bytes of {data.source}, less validation"
+    raise ValueError(
+        f"--objective cost needs --epoch-tokens: the size of data.source '{data.source}' "
+        "is not known without reading it"
+    )
 
 
 def _divisors(n: int) -> list[int]:
@@ -66,10 +91,42 @@ def plan(work: Workload, cluster: Cluster, efficiency: float = DEFAULT_EFFICIENC
     return Plan(ranked, pruned, work)
 
 
-def config_overrides(prediction: Prediction, work: Workload) -> list[str]:
-    """The overrides that make a training config run this layout on GPUs."""
+def plan_by_cost(
+    work: Workload, cluster: Cluster, terms: CostTerms, efficiency: float = DEFAULT_EFFICIENCY
+) -> Plan:
+    """Layouts on 1 to all of the cluster's nodes (a node is what is rented), ranked by the
+    expected cost per epoch of the cheaper capacity, spot or on-demand; ties: the faster."""
+    pricing = cluster.device.pricing
+    if pricing is None:
+        raise ValueError(
+            f"{cluster.spec.accelerator} has no pricing in the hardware catalog, which "
+            "--objective cost needs"
+        )
+    ranked, pruned, costs = [], [], {}
+    for nodes in range(1, cluster.spec.nodes + 1):
+        found = plan(work, cluster.with_nodes(nodes), efficiency)
+        pruned += found.pruned
+        for prediction in found.ranked:
+            costs[prediction.layout] = price_layout(
+                prediction.step_s, work.global_batch * work.seq, prediction.layout.workers,
+                nodes, pricing, terms,
+            )  # fmt: skip
+            ranked.append(prediction)
+    ranked.sort(key=lambda p: (round(costs[p.layout].best.usd, 9), p.step_s))
+    return Plan(ranked, pruned, work, costs, terms)
+
+
+def config_overrides(
+    prediction: Prediction, work: Workload, checkpoint_steps: int | None = None
+) -> list[str]:
+    """The overrides that make a training config run this layout on GPUs (checkpointing
+    every `checkpoint_steps` steps, where given)."""
     layout = prediction.layout
+    checkpoints = []
+    if checkpoint_steps is not None:
+        checkpoints = [f"training.checkpoint_every_steps={checkpoint_steps}"]
     return [
+        *checkpoints,
         f"parallelism.strategy={layout.strategy}",
         f"parallelism.workers={layout.workers}",
         f"parallelism.dp={layout.dp}",

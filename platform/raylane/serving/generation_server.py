@@ -233,8 +233,9 @@ class GenerationServer:
             settings += f", prompt lookup {speculate}"
         if self.quantization != "none":
             settings += f", {self.quantization} weights"
-        if self.loop.engine.adapters is not None:
-            settings += f", {len(self.adapters.loaded())} adapters loaded"
+        loaded = self.adapters.loaded()
+        if loaded:  # adapters requested so far, beside the model itself
+            settings += f", adapters {', '.join(name.split(':', 1)[1] for name in loaded)}"
         return {"version": self.card.version, "settings": settings}
 
     def _draft_name(self) -> str | None:

@@ -1,4 +1,6 @@
-"""Per-epoch checkpoints: model weights, optimizer state and the epoch they follow.
+"""Checkpoints: model weights, optimizer state and where training stands (the epoch they
+follow, or for a step checkpoint inside an epoch, the epoch, the steps of it done and the
+group's loss so far).
 
 A checkpoint may be written in parts (one per pipeline stage, each by its own worker; Ray Train
 merges the workers' directories). Parameter names are those of the whole model in every part,
@@ -12,6 +14,7 @@ and, from rank 0, the assembled model as part 0, which is what registration and 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -58,21 +61,43 @@ def load_model_state(directory: Path) -> dict:
     return state
 
 
+@dataclass(frozen=True)
+class Position:
+    """Where training continues: `epoch`, after `step` of its steps (0: from its start), with
+    the group's training loss sum and row count over those steps."""
+
+    epoch: int
+    step: int = 0
+    loss_sum: float = 0.0
+    rows: int = 0
+
+
+def resume_position(directory: Path) -> Position:
+    """Where training continues after checkpoint `directory`."""
+    meta = json.loads((Path(directory) / META_FILE).read_text())
+    if "step" not in meta:  # an epoch checkpoint: the next epoch from its start
+        return Position(meta["epoch"] + 1)
+    return Position(meta["epoch"], meta["step"], meta["loss_sum"], meta["rows"])
+
+
 def restore_checkpoint(
     directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, part: int = 0
-) -> int:
-    """Load this worker's part (weights and optimizer state); return the epoch to start from."""
+) -> Position:
+    """Load this worker's part (weights and optimizer state); where training continues."""
     directory = Path(directory)
     state = torch.load(directory / _model_file(part), map_location="cpu", weights_only=True)
     model.load_state_dict(state)
     optimizer.load_state_dict(
         torch.load(directory / _optimizer_file(part), map_location="cpu", weights_only=True)
     )
-    return json.loads((directory / META_FILE).read_text())["epoch"] + 1
+    return resume_position(directory)
 
 
 def _write_meta(directory: Path, epoch: int, metrics: dict) -> None:
-    (directory / META_FILE).write_text(json.dumps({"epoch": epoch, "metrics": metrics}))
+    """`metrics` of a step checkpoint hold `step`, `loss_sum` and `rows` (`Position`)."""
+    meta = {"epoch": epoch, "metrics": metrics}
+    meta |= {k: metrics[k] for k in ("step", "loss_sum", "rows") if k in metrics}
+    (directory / META_FILE).write_text(json.dumps(meta))
 
 
 def _flat_options():
@@ -118,8 +143,9 @@ def save_sharded_checkpoint(
 
 def restore_sharded_checkpoint(
     directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer
-) -> int:
-    """Collective: load every worker's shards of model and optimizer; the epoch to start from."""
+) -> Position:
+    """Collective: load every worker's shards of model and optimizer; where training
+    continues."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -139,7 +165,7 @@ def restore_sharded_checkpoint(
         optim_state_dict=state["optimizer"],
         options=_flat_options(),
     )
-    return json.loads((directory / META_FILE).read_text())["epoch"] + 1
+    return resume_position(directory)
 
 
 def save_epoch_checkpoint(directory: Path, strategy, model, optimizer, epoch: int, metrics) -> bool:

@@ -34,11 +34,13 @@ from raylane.parallel.meters import ActivationMeter, model_state_bytes
 from raylane.tracking.step_times import StepTimes, step_metrics
 from raylane.train.batches import iter_torch_batches
 from raylane.train.checkpointing import (
+    Position,
     restore_checkpoint,
     restore_sharded_checkpoint,
     save_epoch_checkpoint,
 )
 from raylane.train.phases import WorkerMarks
+from raylane.train.step_checkpoints import StepCheckpoints, epoch_start
 from raylane.train.straggler import Straggler
 
 
@@ -112,14 +114,15 @@ def _my_batches(strategy, shard, cfg: RaylaneConfig, shuffle_seed: int | None) -
             drop_last=drop_last,
         )
     for inputs, targets in batches:
-        yield inputs[first : first + rows], targets[first : first + rows]
+        yield strategy.local_batch(inputs[first : first + rows], targets[first : first + rows])
 
 
-def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank, marks):
-    """One epoch: mean loss, rows seen by the group, this worker's epoch time, and the
-    group's step-time split (`raylane.tracking.step_times`)."""
+def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank, marks, start, saver):
+    """One epoch: mean loss, rows seen by the group, the group's step-time split
+    (`raylane.tracking.step_times`) and this worker's epoch time. `start`: where a step
+    checkpoint left it (`step_checkpoints.epoch_start`); `saver` writes the step checkpoints."""
     model.train()
-    loss_sum, rows = 0.0, 0
+    skip, loss_sum, rows = start
     times = StepTimes()
     straggler = Straggler(cfg.parallelism.straggler, rank)
     # Workers that read the same rows (pipeline stages) must shuffle them the same way.
@@ -138,6 +141,12 @@ def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank, marks):
         marks.mark("first_batch")
         if cfg.training.steps_per_epoch is not None and step >= cfg.training.steps_per_epoch:
             break
+        if step < skip:  # trained on before the step checkpoint this run continues from
+            step_start = time.perf_counter()
+            continue
+        if step > skip and saver.due(step):  # `step` steps done, more to come (not resumed)
+            saver.save(epoch, step, loss_sum, rows)
+            step_start = time.perf_counter()  # the checkpoint's time is not this step's
         data_wait = time.perf_counter() - step_start
         straggler.maybe_wait(epoch, step)
         if own_meter:
@@ -156,20 +165,23 @@ def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank, marks):
         marks.mark("first_step")
         step_start = now
     elapsed = time.perf_counter() - start
-    strategy.steps_done()  # before the collective below
+    strategy.steps_done()  # before the collectives of the totals
+    return *_epoch_totals(model, optimizer, activations, loss_sum, rows, times), elapsed
+
+
+def _epoch_totals(model, optimizer, activations, loss_sum, rows, times):
+    """Collective: the group's mean loss, its rows and the step-time split of an epoch."""
     memory = {**model_state_bytes(model, optimizer), "activation_peak": activations.peak_bytes}
     total_loss, total_rows, *step_totals = _all_reduce([loss_sum, rows, *times.as_list()])
     # The largest worker's model state and activations (MB): what must fit on one device.
     largest = _all_reduce(list(memory.values()), MAX)
-    # Throughput of the whole group: all rows over this worker's epoch time (the group moves in
-    # lock-step, so every worker's epoch takes about as long).
     # Data-parallel replicas each count their own rows; pipeline stages of one replica count
     # them once (only the last stage reports).
     split = step_metrics(step_totals)
     split.update(
         {f"worker_{name}_mb": value / 2**20 for name, value in zip(memory, largest, strict=True)}
     )
-    return total_loss / max(total_rows, 1), total_rows, elapsed, split
+    return total_loss / max(total_rows, 1), total_rows, split
 
 
 @torch.no_grad()
@@ -249,13 +261,13 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     optimizer = build_optimizer(trainable, training.optimizer, training.lr, training.weight_decay)
 
-    start_epoch = _restore(strategy, model, optimizer, cfg)
+    start = _restore(strategy, model, optimizer, cfg)
     placement = _gather_placement(rank)
     check_same_code(placement, loop_config.get("driver_code"))
     epoch_logger, monitor = _start_tracking(loop_config, cfg, rank, placement)
     try:
         _train_epochs(
-            strategy, model, optimizer, cfg, start_epoch, rank, epoch_logger, marks, loop_config
+            strategy, model, optimizer, cfg, start, rank, epoch_logger, marks, loop_config
         )
         if epoch_logger is not None:
             epoch_logger.close()  # metrics held back by a tracking outage
@@ -278,14 +290,14 @@ def _plain_model(cfg: RaylaneConfig, loop_config: dict[str, Any]):
     return model
 
 
-def _restore(strategy, model, optimizer, cfg: RaylaneConfig) -> int:
-    """The epoch to start from: after a worker-group failure Ray Train hands back the run's
-    last checkpoint; otherwise the run may start from an earlier run's (`resume_from`)."""
+def _restore(strategy, model, optimizer, cfg: RaylaneConfig) -> Position:
+    """Where to start: after a worker-group failure Ray Train hands back the run's last
+    checkpoint; otherwise the run may start from an earlier run's (`resume_from`)."""
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is None and cfg.training.resume_from is not None:
         checkpoint = ray.train.Checkpoint(str(cfg.training.resume_from))
     if checkpoint is None:
-        return 0
+        return Position(0)
     with checkpoint.as_directory() as directory:
         if strategy.sharded_checkpoint:
             return restore_sharded_checkpoint(Path(directory), model, optimizer)
@@ -335,20 +347,20 @@ def _log_base_loss(strategy, model, validation_shard, cfg, epoch_logger) -> None
         epoch_logger.log({"base_val_loss": base_loss}, step=0)
 
 
-def _train_epochs(
-    strategy, model, optimizer, cfg, start_epoch, rank, epoch_logger, marks, loop_config
-):
-    """From `start_epoch` on: train, evaluate, log (rank 0), checkpoint and report each epoch."""
+def _train_epochs(strategy, model, optimizer, cfg, start, rank, epoch_logger, marks, loop_config):
+    """From `start` on: train, evaluate, log (rank 0), checkpoint and report each epoch."""
     memory = loop_config.get("memory_splits") or {}
     train_shard = memory.get("train") or ray.train.get_dataset_shard("train")
     validation_shard = memory.get("validation") or ray.train.get_dataset_shard("validation")
     split_history: list[dict[str, float]] = []
-    if cfg.finetune is not None and start_epoch == 0:
+    if cfg.finetune is not None and start == Position(0):
         _log_base_loss(strategy, model, validation_shard, cfg, epoch_logger)
-    for epoch in range(start_epoch, cfg.training.epochs):
-        train_loss, rows, elapsed, split = _train_epoch(
-            strategy, model, optimizer, train_shard, cfg, epoch, rank, marks
-        )
+    saver = StepCheckpoints(cfg.training.checkpoint_every_steps, strategy, model, optimizer)
+    for epoch in range(start.epoch, cfg.training.epochs):
+        train_loss, rows, split, elapsed = _train_epoch(
+            strategy, model, optimizer, train_shard, cfg, epoch, rank, marks,
+            epoch_start(start, epoch), saver,
+        )  # fmt: skip
         stats = strategy.epoch_stats()
         val_loss, val_accuracy = _evaluate(strategy, model, validation_shard, cfg)
         metrics = {

@@ -76,7 +76,7 @@ def build_trainer(
         dataset_config=DataConfig(
             # Pipeline stages read the same rows (the first stage needs the inputs, the last
             # the targets), so their datasets are not sharded.
-            datasets_to_split="all" if splits_dataset(par.strategy) else [],
+            datasets_to_split="all" if splits_dataset(par.strategy, par.cp) else [],
             execution_options=_ordered_ingest_options(),
         ),
     )

@@ -171,6 +171,8 @@ def trial_config(spec: TuneSpec, candidate: Candidate, *, for_trial: bool = True
             f"training.epochs={spec.trial.epochs}",
             f"training.steps_per_epoch={spec.trial.steps_per_epoch}",
             "training.checkpoints_to_keep=1",
+            # Trials report once per measured epoch (what Tune compares), never mid-epoch.
+            "training.checkpoint_every_steps=null",
             f"training.storage_path={spec.storage_path.resolve()}",
         ]
         # Trials run in a working directory of their own: relative paths are resolved here.
