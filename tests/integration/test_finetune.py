@@ -307,6 +307,8 @@ def test_two_adapters_of_one_base_answer_from_one_replica_each_as_itself(
     assert [a.model for a in answers] == names
     listed = [m.id for m in client.models.list().data]
     assert listed[0] == "pylm" and sorted(listed[1:]) == sorted(names[1:])
+    entry = httpx.get(f"{url}/v1/models/{names[1]}", timeout=10).json()
+    assert entry["id"] == names[1] and entry["parent"] == "pylm"
     streamed = client.chat.completions.create(
         model=names[1], messages=[{"role": "user", "content": "hi"}], max_tokens=8,
         stream=True, **SAMPLING)  # fmt: skip
@@ -317,6 +319,9 @@ def test_two_adapters_of_one_base_answer_from_one_replica_each_as_itself(
     assert oip.status_code == 200 and oip.json()["text_output"] == expected[2]
     assert sorted(_stats(url)["adapters"]) == sorted(names[1:])
 
+    too_long = client.completions.with_raw_response  # a request that cannot run loads nothing
+    with pytest.raises(openai.BadRequestError, match="exceeds the model's context"):
+        too_long.create(model=f"pylm:{ADAPTED}/98", prompt="x" * 300, max_tokens=4)
     for name, message in [
         (f"pylm:{ADAPTED}/99", f"registered model '{ADAPTED}' has no version 99"),
         (f"pylm:{base_name}/{base_version}", "is not a LoRA adapter"),

@@ -32,10 +32,10 @@ def test_epoch_and_step_checkpoints_say_where_training_continues(tmp_path):
     assert torch.equal(other.weight, model.weight)
 
 
-@pytest.mark.parametrize("strategy", ["async", "ssp"])
+@pytest.mark.parametrize("strategy", ["async", "ssp", "local_sgd"])
 def test_step_checkpoints_need_a_synchronous_layout(strategy):
     with pytest.raises(
-        ConfigError, match=f"checkpoint_every_steps needs a synchronous layout; '{strategy}'"
+        ConfigError, match=f"needs replicas that agree after every step; '{strategy}'"
     ):
         load_config(
             ROOT / "configs" / "train" / "digits_ddp.yaml",

@@ -103,6 +103,13 @@ def test_layout_describes_itself_and_names_impossible_degrees():
           "parallelism.pp=1"], "cuts each sequence into 2 * cp = 6 equal chunks"),
         (["parallelism.strategy=ddp", "parallelism.cp=2", "parallelism.workers=3",
           "parallelism.pp=1"], "workers (3) is not divisible by cp (2)"),
+        (["parallelism.strategy=ddp", "parallelism.cp=2", "parallelism.workers=4",
+          "parallelism.pp=1", "parallelism.grad_compression=powersgd"],
+         "with cp > 1 the replicas and cp workers average one buffer"),
+        (["parallelism.strategy=tp", "parallelism.cp=2", "parallelism.tp=4",
+          "parallelism.workers=8", "parallelism.pp=1", "parallelism.sequence_parallel=true",
+          "model.input_dim=12", "model.n_heads=4"],
+         "cuts each worker's 6 tokens (model.input_dim / cp) into tp (4) equal parts"),
     ],
 )  # fmt: skip
 def test_context_parallel_layouts_are_checked(overrides, message):

@@ -2,8 +2,9 @@
 over fp32 master weights) against fp32's, and what the measured cost model makes of bf16.
 
 Every layout accepts bf16: gloo in torch 2.13 all-reduces, all-gathers and reduce-scatters bf16
-tensors, and FSDP2's bf16 policy, tensor parallelism and pipeline stages trained under it in a
-2- and 4-process check (the equivalence test proves DDP's under Ray Train)."""
+tensors. Here only the config's acceptance is tested for FSDP2's bf16 policy, tensor
+parallelism and pipeline stages (they trained under it in a one-off 2- and 4-process check
+outside the suite); the equivalence test proves DDP's under Ray Train."""
 
 from __future__ import annotations
 

@@ -156,3 +156,19 @@ def test_sequence_length_must_split_into_two_chunks_per_rank():
         shard_sequence(torch.zeros(1, 12), 1, 0, 4)
     with pytest.raises(ValueError, match="even"):
         ring_attention(*(torch.zeros(1, 1, 3, 4) for _ in range(3)))
+
+
+def test_under_bf16_autocast_it_computes_in_fp32_forward_and_backward():
+    """A bf16 run's attention: the ring's own fp32 maths (autocast off inside), so the
+    backward's recomputed probabilities match the forward's log-sum-exp."""
+    generator = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 16, 8, generator=generator, requires_grad=True) for _ in "qkv")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = ring_attention(q, k, v)
+    out.sum().backward()
+    reference = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    grads = torch.autograd.grad(reference.sum(), (q, k, v))
+    for mine, want in zip((q.grad, k.grad, v.grad), grads, strict=True):
+        torch.testing.assert_close(mine, want, rtol=1e-4, atol=1e-5)

@@ -124,6 +124,11 @@ def _check_compression(par) -> None:
     or a tensor-parallel model's replicas' flat gradient (every scheme but PowerSGD, which
     needs DDP's buckets)."""
     name = par.grad_compression
+    if name == "powersgd" and par.cp > 1:
+        raise ValueError(
+            "parallelism.grad_compression 'powersgd' compresses DDP's gradient buckets; with "
+            "cp > 1 the replicas and cp workers average one buffer: use 'fp16' or 'topk'"
+        )
     if par.strategy == "tp":
         if name == "powersgd":
             raise ValueError(
@@ -167,10 +172,10 @@ def _check_options(cfg: RaylaneConfig) -> None:
             "parallelism.sequence_parallel splits the sequence inside tensor-parallel gpt "
             "blocks; it needs model.kind 'gpt' and parallelism.tp > 1"
         )
-    if par.sequence_parallel and cfg.model.input_dim % par.tp:
+    if par.sequence_parallel and (cfg.model.input_dim // par.cp) % par.tp:
         raise ValueError(
-            f"parallelism.sequence_parallel cuts model.input_dim ({cfg.model.input_dim} "
-            f"tokens) into tp ({par.tp}) equal parts; it must be divisible by it"
+            f"parallelism.sequence_parallel cuts each worker's {cfg.model.input_dim // par.cp} "
+            f"tokens (model.input_dim / cp) into tp ({par.tp}) equal parts; they must divide"
         )
     if par.cp > 1:
         _check_context(cfg)

@@ -185,7 +185,8 @@ class TrainingConfig(StrictModel):
         "(runs/<run>/epoch_NNNN_step_SSSSSS), so a lost worker group costs at most that many "
         "steps: a restart, or `resume_from` such a directory, continues at the next step of "
         "the same epoch with the same batches, exactly as if nothing had stopped. None: "
-        "per-epoch checkpoints only. Synchronous layouts (not async/ssp).",
+        "per-epoch checkpoints only. Not local_sgd, async or ssp (their replicas differ "
+        "inside an epoch).",
     )
     max_failures: int = Field(
         0,
@@ -253,10 +254,15 @@ class RaylaneConfig(StrictModel):
     @model_validator(mode="after")
     def _check_step_checkpoints(self) -> RaylaneConfig:
         strategy = self.parallelism.strategy
-        if self.training.checkpoint_every_steps is not None and strategy in ("async", "ssp"):
+        if self.training.checkpoint_every_steps is not None and strategy in (
+            "async",
+            "ssp",
+            "local_sgd",
+        ):
             raise ValueError(
-                f"training.checkpoint_every_steps needs a synchronous layout; '{strategy}' "
-                "(a parameter server's updates in flight) checkpoints per epoch only"
+                f"training.checkpoint_every_steps needs replicas that agree after every step; "
+                f"'{strategy}' (replicas apart between averages, or a parameter server's "
+                "updates in flight) checkpoints per epoch only"
             )
         return self
 

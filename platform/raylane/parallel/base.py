@@ -32,6 +32,8 @@ class ParallelStrategy(Protocol):
     data_world: int
     #: This worker's losses and outputs are the model's (the last pipeline stage; all DDP ranks).
     reports_loss: bool
+    #: Reporting workers that share each row (its sequence's cp workers), each counting 1/n.
+    row_reporters: int
     #: This worker writes its part of each checkpoint, under this part number.
     saves_checkpoint: bool
     checkpoint_part: int
@@ -108,6 +110,7 @@ class StrategyDefaults:
     steps = 0
     #: `training.precision`: 'bf16' runs forwards under autocast (raylane.parallel.precision).
     precision = "fp32"
+    row_reporters = 1
 
     def sync_gradients(self, model: nn.Module) -> None:
         """After backward, before the optimizer step: make the gradients the replicas'."""

@@ -50,6 +50,7 @@ class MeshParallel(StrategyDefaults):
         self.averager = None
         # Replicas, and the workers holding a sequence's other chunks, average their gradients.
         self.cp, self.cp_rank = self.mesh.dims.cp, self.mesh.cp_rank
+        self.row_reporters = self.cp  # every cp worker reports its chunks' loss
         self.replicas = self.mesh.dims.dp_replicate * self.cp
         if self.replicas > 1:
             from raylane.parallel.grad_compression import GroupAverager

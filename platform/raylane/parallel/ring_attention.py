@@ -331,4 +331,8 @@ def ring_attention(
             f"got {q.shape[-2]}"
         )
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    return _RingAttention.apply(q, k, v, group, scale, traffic)
+    # Outside autocast (bf16 training): it would run the forward's score matmuls in bf16 while
+    # the backward recomputes them in fp32 against the forward's log-sum-exp.
+    with torch.autocast(q.device.type, enabled=False):
+        out = _RingAttention.apply(q.float(), k.float(), v.float(), group, scale, traffic)
+    return out.to(q.dtype)

@@ -137,6 +137,8 @@ def _recommendation(cost: LayoutCost, layout: str, step_s: float) -> list[str]:
         f"{cost.optimum_s / 60:.1f} min, for {cost.checkpoint_s:.0f} s per checkpoint and "
         f"{cost.restart_s:.0f} s per restart; {overhead:.1%} expected overhead"
     )
+    if best is not cost.spot:
+        return lines  # on demand: the written config keeps per-epoch checkpoints
     return [
         *lines,
         "the written config checkpoints at that interval (training.checkpoint_every_steps)",

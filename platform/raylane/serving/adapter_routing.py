@@ -21,8 +21,12 @@ _ADAPTER = re.compile(r"^(?P<name>[^/:@]+)/(?P<version>[1-9][0-9]*)$")
 class AdapterDirectory:
     """Resolves request model names to adapter rows of one replica's engine."""
 
-    def __init__(self, model_name: str, served, loop, tracking_uri: str, retry_after_s: float):
+    def __init__(
+        self, model_name: str, served, loop, tracking_uri: str, retry_after_s: float,
+        max_adapters: int,
+    ):  # fmt: skip
         self.model_name = model_name
+        self.max_adapters = max_adapters
         self.served = served  # raylane.generation.loader.GenerationModel
         self.loop = loop  # raylane.serving.generation_loop.GenerationLoop
         self.tracking_uri = tracking_uri
@@ -77,30 +81,41 @@ class AdapterDirectory:
         return f"{match['name']}/{match['version']}"
 
     def _open(self) -> bool:
-        return self.adapters is not None and self.served.base is not None
+        """Whether requests may name adapters (beside a served adapter's own pinned row)."""
+        return self.max_adapters > 0 and self.served.base is not None
 
     async def _install(self, key: str) -> None:
+        lock = self._loading.setdefault(key, asyncio.Lock())
+        try:
+            async with lock:  # one download per adapter, however many requests name it at once
+                if key not in self.adapters:
+                    await self._load_and_add(key)
+        finally:
+            self._loading.pop(key, None)  # waiters hold the lock itself
+
+    async def _load_and_add(self, key: str) -> None:
         from raylane.generation.loader import load_served_adapter
         from raylane.models.multi_lora import AdapterCapacityError
 
-        lock = self._loading.setdefault(key, asyncio.Lock())
-        async with lock:  # one download per adapter, however many requests name it at once
-            if key in self.adapters:
-                return
-            name, version = key.split("/")
-            try:
-                adapter = await asyncio.to_thread(
-                    load_served_adapter, self.tracking_uri, name, int(version), self.served.base
-                )
-            except (LookupError, ValueError) as exc:
-                raise ProtocolError(f"model '{self.model_name}:{key}': {exc}", 404) from None
-            try:
-                await self.loop.between_steps(
-                    lambda: self.adapters.add(adapter.key, adapter.state, adapter.scale)
-                )
-            except AdapterCapacityError as exc:
-                raise ProtocolError(
-                    str(exc), 503, {"Retry-After": f"{self.retry_after_s:g}"}
-                ) from None
-            except ValueError as exc:  # the adapter names layers this model lacks
-                raise ProtocolError(f"model '{self.model_name}:{key}': {exc}", 404) from None
+        name, version = key.split("/")
+        try:
+            adapter = await asyncio.to_thread(
+                load_served_adapter, self.tracking_uri, name, int(version), self.served.base
+            )
+        except (LookupError, ValueError, KeyError) as exc:  # KeyError: a malformed adapter.json
+            raise ProtocolError(f"model '{self.model_name}:{key}': {exc}", 404) from None
+        except Exception as exc:  # noqa: BLE001 - the registry or its store failed, not the client
+            raise ProtocolError(
+                f"model '{self.model_name}:{key}' could not be loaded from the registry: "
+                f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}",
+                503,
+                {"Retry-After": f"{self.retry_after_s:g}"},
+            ) from None
+        try:
+            await self.loop.between_steps(
+                lambda: self.adapters.add(adapter.key, adapter.state, adapter.scale)
+            )
+        except AdapterCapacityError as exc:
+            raise ProtocolError(str(exc), 503, {"Retry-After": f"{self.retry_after_s:g}"}) from None
+        except ValueError as exc:  # the adapter names layers this model lacks
+            raise ProtocolError(f"model '{self.model_name}:{key}': {exc}", 404) from None

@@ -108,7 +108,7 @@ class GenerationServer:
         engine = GenerationEngine(model, max_num_seqs, speculate, draft, max_adapters=slots)
         self.loop = GenerationLoop(engine, metrics)
         self.adapters = AdapterDirectory(model_name, served, self.loop, tracking_uri,
-                                         retry_after_s)  # fmt: skip
+                                         retry_after_s, max_adapters)  # fmt: skip
 
     # OpenAI-compatible routes.
 
@@ -117,8 +117,10 @@ class GenerationServer:
         adapters = [self._model_entry(name) for name in self.adapters.loaded()]
         return {"object": "list", "data": [self._model_entry(), *adapters]}
 
-    @api.get("/v1/models/{name}")
+    @api.get("/v1/models/{name:path}")
     async def model(self, name: str) -> dict:
+        if name in self.adapters.loaded():
+            return self._model_entry(name)
         self._check_name(name)
         return self._model_entry()
 
@@ -266,6 +268,10 @@ class GenerationServer:
     async def _start(self, name: str, text: str, params):
         """Queue `text` for model `name` (the served model or one of its base's adapters)."""
         tokens = prompt_tokens(text)
+        try:  # a request that cannot run loads no adapter
+            self.loop.engine.check(tokens, params)
+        except ValueError as exc:
+            raise ProtocolError(str(exc)) from None
         adapter = await self.adapters.acquire(name)
         try:
             generation = self.loop.start(tokens, params, adapter)

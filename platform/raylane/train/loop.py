@@ -118,11 +118,12 @@ def _my_batches(strategy, shard, cfg: RaylaneConfig, shuffle_seed: int | None) -
 
 
 def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank, marks, start, saver):
-    """One epoch: mean loss, rows seen by the group, the group's step-time split
-    (`raylane.tracking.step_times`) and this worker's epoch time. `start`: where a step
+    """One epoch: mean loss, rows the group trained on in this run, the group's step-time
+    split (`raylane.tracking.step_times`) and this worker's epoch time. `start`: where a step
     checkpoint left it (`step_checkpoints.epoch_start`); `saver` writes the step checkpoints."""
     model.train()
     skip, loss_sum, rows = start
+    carried = rows  # rows a step checkpoint counted before this run (rank 0 holds them)
     times = StepTimes()
     straggler = Straggler(cfg.parallelism.straggler, rank)
     # Workers that read the same rows (pipeline stages) must shuffle them the same way.
@@ -154,9 +155,10 @@ def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank, marks, sta
                 loss = strategy.train_step(model, optimizer, cross_entropy, inputs, targets)
         else:
             loss = strategy.train_step(model, optimizer, cross_entropy, inputs, targets)
-        if strategy.reports_loss:
-            loss_sum += loss.item() * len(targets)
-            rows += len(targets)
+        if strategy.reports_loss:  # each of a row's `row_reporters` workers counts its share
+            share = len(targets) / strategy.row_reporters
+            loss_sum += loss.item() * share
+            rows += share
         now = time.perf_counter()
         parts = dict(strategy.last_step_parts)
         if straggler.waited_s:
@@ -166,13 +168,15 @@ def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank, marks, sta
         step_start = now
     elapsed = time.perf_counter() - start
     strategy.steps_done()  # before the collectives of the totals
-    return *_epoch_totals(model, optimizer, activations, loss_sum, rows, times), elapsed
+    return *_epoch_totals(model, optimizer, activations, loss_sum, rows, carried, times), elapsed
 
 
-def _epoch_totals(model, optimizer, activations, loss_sum, rows, times):
-    """Collective: the group's mean loss, its rows and the step-time split of an epoch."""
+def _epoch_totals(model, optimizer, activations, loss_sum, rows, carried, times):
+    """Collective: the group's mean loss over the epoch, the rows this run trained on (not
+    those a step checkpoint carried over) and the step-time split of an epoch."""
     memory = {**model_state_bytes(model, optimizer), "activation_peak": activations.peak_bytes}
-    total_loss, total_rows, *step_totals = _all_reduce([loss_sum, rows, *times.as_list()])
+    totals = _all_reduce([loss_sum, rows, carried, *times.as_list()])
+    total_loss, total_rows, carried_rows, *step_totals = totals
     # The largest worker's model state and activations (MB): what must fit on one device.
     largest = _all_reduce(list(memory.values()), MAX)
     # Data-parallel replicas each count their own rows; pipeline stages of one replica count
@@ -181,7 +185,7 @@ def _epoch_totals(model, optimizer, activations, loss_sum, rows, times):
     split.update(
         {f"worker_{name}_mb": value / 2**20 for name, value in zip(memory, largest, strict=True)}
     )
-    return total_loss / max(total_rows, 1), total_rows, split
+    return total_loss / max(total_rows, 1), round(total_rows - carried_rows), split
 
 
 @torch.no_grad()

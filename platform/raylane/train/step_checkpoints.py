@@ -39,7 +39,11 @@ class StepCheckpoints:
         are this worker's training loss sum and rows in the epoch so far."""
         totals = torch.tensor([loss_sum, float(rows)], dtype=torch.float64)
         dist.all_reduce(totals)
-        position = {"step": steps_done, "loss_sum": float(totals[0]), "rows": int(totals[1])}
+        position = {
+            "step": steps_done,
+            "loss_sum": float(totals[0]),
+            "rows": round(totals[1].item()),
+        }
         metrics = {"epoch": epoch, **position}
         with tempfile.TemporaryDirectory() as directory:
             wrote = save_epoch_checkpoint(
