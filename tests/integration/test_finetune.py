@@ -383,3 +383,20 @@ def test_compare_and_reproduce_read_the_base_and_its_present_weights(finetuned, 
     assert present_base(client, recorded) == recorded  # the base's weights as they were
     gone = present_base(client, recorded | {"base_version": "999"})
     assert gone["base_digest"] == "missing"
+
+
+def test_a_served_adapter_version_is_merged_or_kept_beside_its_base(finetuned, pipeline_run):
+    from raylane.generation.loader import load_generation_model, load_language_model
+
+    _, outcome = finetuned
+    merged = load_generation_model(outcome.tracking_uri, ADAPTED, outcome.model_version)
+    assert merged.base is None and merged.own_adapter is None  # nothing else may be asked for
+    reference, card = load_language_model(outcome.tracking_uri, ADAPTED, outcome.model_version)
+    assert merged.card == card
+    for name, tensor in reference.state_dict().items():
+        assert torch.equal(merged.model.state_dict()[name], tensor), name
+    apart = load_generation_model(outcome.tracking_uri, ADAPTED, outcome.model_version, merge=False)
+    assert apart.base == _base_ref(pipeline_run)
+    assert apart.own_adapter.key == f"{ADAPTED}/{outcome.model_version}"
+    base_state = _base_state(outcome, *pipeline_run)
+    assert apart.model.state_dict().keys() == base_state.keys()  # the plain base, no adapter in it

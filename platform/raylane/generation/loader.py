@@ -104,15 +104,20 @@ def load_generation_model(
     client = MlflowClient(tracking_uri=tracking_uri)
     found = client.get_model_version(registered_model, str(version))
     adapter = adapter_of(client, found)
-    if adapter is None or merge:
+    if adapter is None:
         model, card = load_language_model(tracking_uri, registered_model, version)
-        base = None if adapter else (registered_model, int(version))
-        return GenerationModel(model, card, base)
-    meta, state = adapter
+        return GenerationModel(model, card, (registered_model, int(version)))
+    meta, state = adapter  # downloaded once, whether merged or kept separate
     base = (meta["base_model"], int(meta["base_version"]))
-    model, base_card = load_language_model(tracking_uri, *base)
-    card = LanguageModelCard(registered_model, int(version), found.run_id, base_card.context,
-                             base_card.parameters)  # fmt: skip
+    if merge:
+        model = _adapted_model(tracking_uri, meta, state, merge=True)
+    else:
+        model, _ = load_language_model(tracking_uri, *base)
+    card = LanguageModelCard(registered_model, int(version), found.run_id,
+                             model.pos_emb.num_embeddings,
+                             sum(p.numel() for p in model.parameters()))  # fmt: skip
+    if merge:
+        return GenerationModel(model.eval(), card, None)
     own = _served_adapter(f"{registered_model}/{version}", meta, state)
     return GenerationModel(model, card, base, own)
 
