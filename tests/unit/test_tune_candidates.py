@@ -153,3 +153,30 @@ def test_tensor_parallel_and_fsdp_layouts_are_searched_and_impossible_ones_named
     reasons = {c.key: r for c, r in ((p.candidate, p.reason) for p in pruned)}
     assert any("workers (1) is not divisible by tp (2)" in r for r in reasons.values())
     assert "tp-w4-dp2xpp1-tp2-m1-b32" in {c.key for c in valid}
+
+
+def test_context_and_sequence_parallel_layouts_are_searched_where_they_run():
+    spec = _spec(strategy=["ddp", "tp", "pipeline"], workers=[1, 2, 4], tp=[2], cp=[1, 2],
+                 sequence_parallel=[False, True], microbatches=[2], cpus=4.0,
+                 cpus_per_worker=0.25)  # fmt: skip
+    valid, pruned = enumerate_candidates(spec)
+    split = sorted(c.key for c in valid if c.overrides["parallelism.cp"] > 1)
+    assert split == [
+        "ddp-w2-dp1xpp1-cp2-m1-b32",  # each sequence over both workers
+        "ddp-w4-dp2xpp1-cp2-m1-b32",  # 2 replicas x cp 2
+        "tp-w4-dp1xpp1-tp2-cp2-m1-b32",  # cp 2 x tp 2, with and without sequence parallelism
+        "tp-w4-dp1xpp1-tp2-cp2-sp-m1-b32",
+    ]
+    assert not any(c.overrides["parallelism.sequence_parallel"] for c in valid
+                   if c.overrides["parallelism.tp"] == 1)  # fmt: skip
+    assert all(c.overrides["parallelism.cp"] == 1 for c in valid
+               if c.overrides["parallelism.strategy"] == "pipeline")  # fmt: skip
+    reasons = {p.candidate.key: p.reason for p in pruned}
+    assert "workers (1) is not divisible by cp (2)" in reasons["ddp-w1-dp1xpp1-cp2-m1-b32"]
+    assert "not divisible by tp * cp (2 * 2)" in reasons["tp-w2-dp1xpp1-tp2-cp2-m1-b32"]
+    # A written winner is a config the training loader accepts, cp and all.
+    cfg = trial_config(spec, next(c for c in valid if c.key.endswith("cp2-sp-m1-b32")),
+                       for_trial=False)  # fmt: skip
+    assert (cfg.parallelism.cp, cfg.parallelism.tp, cfg.parallelism.sequence_parallel) == (
+        2, 2, True,
+    )  # fmt: skip

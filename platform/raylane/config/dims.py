@@ -17,6 +17,7 @@ Python so that configs validate without importing torch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
@@ -133,10 +134,15 @@ class ParallelDims:
         return "tp" if self.tp > 1 else "ddp"
 
     @classmethod
-    def candidates(cls, devices: int, tps: list[int], pps: list[int]) -> list[ParallelDims]:
-        """Every layout of exactly `devices` workers with tp in `tps` and pp in `pps`: for each
-        (pp, tp) that divides the devices, the data-parallel workers replicated, and (with more
-        than one) sharded instead. The planner and Tune enumerate these."""
+    def candidates(
+        cls, devices: int, tps: Sequence[int], pps: Sequence[int], cps: Sequence[int] = (1,)
+    ) -> list[ParallelDims]:
+        """Every layout of exactly `devices` workers with tp in `tps`, pp in `pps` and cp in
+        `cps`: for each (pp, tp) that divides the devices, the data-parallel workers
+        replicated, and (with more than one) sharded instead; each sequence split over cp > 1
+        workers only where context parallelism runs, on replicas without pipeline stages.
+        Whether the sequence divides into 2 * cp chunks is the caller's to check. The planner
+        and Tune enumerate these."""
         found = []
         for tp in tps:
             for pp in pps:
@@ -146,6 +152,12 @@ class ParallelDims:
                 found.append(cls(dp_replicate=dp, pp=pp, tp=tp))
                 if dp > 1:
                     found.append(cls(dp_shard=dp, pp=pp, tp=tp))
+                if pp == 1:
+                    found += [
+                        cls(dp_replicate=dp // cp, tp=tp, cp=cp)
+                        for cp in cps
+                        if cp > 1 and dp % cp == 0
+                    ]
         return found
 
     @property

@@ -10,23 +10,38 @@ and 1F1B; tensor parallelism's all-reduces of each block's activations (two forw
 backward, two more when recomputing); the data-parallel gradient all-reduce (FSDP: one
 reduce-scatter and two all-gathers), hidden behind the backward pass where raylane's strategy
 overlaps it (DDP's buckets, FSDP's prefetch) and exposed where it follows it (tp, pipeline);
-pipeline stages' activation sends. Collectives are rings: 2(n - 1)/n of the bytes over the
-slowest link the group spans, plus a latency per ring step.
+pipeline stages' activation sends; context parallelism's ring attention, whose key/value
+transfers overlap each ring step's attention compute and count only where they outlast it
+(`raylane.plan.ring`). Collectives are rings: 2(n - 1)/n of the bytes over the slowest link
+the group spans, plus a latency per ring step.
+
+Context parallelism (cp workers per sequence, each holding T/cp tokens of the same rows) divides
+every token's compute, every activation and the tensor-parallel all-reduces by cp; the model's
+gradients are averaged over the dp x cp workers that hold them, after backward (raylane's cp
+layouts average one buffer once backward is over, as tensor-parallel replicas do).
 
 Activation memory follows Korthikanti et al., "Reducing Activation Recomputation in Large
 Transformer Models" (MLSys 2023), eq. 2: s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes per layer for
-16-bit activations, 2·s·b·h with full recomputation; with sequence parallelism (their eq. 4)
+16-bit activations, 2·s·b·h with full recomputation (plus, once, the whole activations of the
+block being recomputed in backward); with sequence parallelism (their eq. 4)
 the norm and residual regions' 10·s·b·h are divided by t too, for the same tensor-parallel
-bytes (a reduce-scatter and an all-gather in place of each all-reduce).
+bytes (a reduce-scatter and an all-gather in place of each all-reduce), so sequence
+parallelism changes memory, never the predicted time. The formula's 5·a·s²·b/t term is the
+score matrix that attention without a fused kernel saves; under context parallelism s is the
+worker's T/cp and ring attention saves no scores (its backward recomputes them from the
+log-sum-exp it keeps), so that term is replaced by what the kernel does hold: the log-sum-exp,
+fp32 copies of q, k, v and its output under bf16, and one ring step's fp32 (T/cp)² blocks
+per head while a layer computes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from raylane.config.dims import ParallelDims
 from raylane.plan.hardware import Cluster, Precision
 from raylane.plan.memory import FP32_ADAM, MIXED_PRECISION_ADAM, GPTShape, ModelState, sharded_state
+from raylane.plan.ring import RING_VALUE_BYTES, exposed_ring_s, kv_block_bytes, ring_passes
 
 #: Fraction of the accelerator's peak FLOP/s that the model's matrix multiplications reach.
 #: An assumption, not a measurement: large GEMMs on current GPUs reach 60-80 % of peak.
@@ -45,9 +60,14 @@ class Layout:
     activation_checkpointing: bool = False
 
     @classmethod
-    def of(cls, strategy: str, dp: int, tp: int = 1, pp: int = 1, **settings) -> Layout:
-        """The layout a config's strategy name and degrees resolve to."""
-        return cls(ParallelDims.preset(strategy, dp=dp, pp=pp, tp=tp), **settings)
+    def of(
+        cls, strategy: str, dp: int, tp: int = 1, pp: int = 1, cp: int = 1,
+        sequence_parallel: bool = False, **settings,
+    ) -> Layout:  # fmt: skip
+        """The layout a config's strategy name and degrees resolve to (`dp` data-parallel
+        workers, each sequence split over `cp` more)."""
+        dims = ParallelDims.preset(strategy, dp=dp, pp=pp, tp=tp)
+        return cls(replace(dims, cp=cp, sequence_parallel=sequence_parallel), **settings)
 
     @property
     def strategy(self) -> str:
@@ -66,6 +86,10 @@ class Layout:
         return self.dims.pp
 
     @property
+    def cp(self) -> int:
+        return self.dims.cp
+
+    @property
     def workers(self) -> int:
         return self.dims.world_size
 
@@ -77,6 +101,8 @@ class Layout:
         parts = [self.strategy, f"dp{self.dp}"]
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("-sp" if self.dims.sequence_parallel else ""))
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
         if self.pp > 1:
             parts += [f"pp{self.pp}", f"m{self.microbatches}", self.schedule]
         if self.activation_checkpointing:
@@ -145,6 +171,7 @@ def predict(
         "compute": compute,
         "bubble": compute * (layout.pp - 1) / layout.microbatches,
         **_comm_s(work, layout, cluster, compute, params, micro_rows),
+        "cp_comm": _ring_comm_s(work, layout, cluster, micro_rows, efficiency),
     }
     step = sum(parts.values())
 
@@ -168,12 +195,13 @@ def predict(
 
 def _compute_s(work: Workload, layout: Layout, cluster: Cluster, efficiency: float) -> float:
     """One device's share of the step's FLOPs at `efficiency` of its peak; raylane's whole
-    head is computed on every tp worker unless the workload splits it."""
+    head is computed on every tp worker (for its cp worker's tokens) unless the workload
+    splits it."""
     shape, device = work.shape, cluster.device
     flops = work.model_flops(layout.activation_checkpointing)
     head = 3 * 2 * work.global_batch * work.seq * shape.d_model * shape.vocab_size
     per_device = (flops - head) / layout.workers + head / (
-        layout.workers if work.head_split_by_tp else layout.dp * layout.pp
+        layout.workers if work.head_split_by_tp else layout.dp * layout.pp * layout.cp
     )
     return per_device / (device.peak_flops[work.precision] * efficiency)
 
@@ -187,8 +215,9 @@ def _comm_s(
     latency = spec.link_latency_us * 1e-6
     intra, inter = device.intra_node_gbps, device.inter_node_gbps
 
-    # Tensor parallel: each block's activations all-reduced on the critical path.
-    activation = micro_rows * work.seq * shape.d_model * work.value_bytes
+    # Tensor parallel: each block's activations (this cp worker's tokens) all-reduced on the
+    # critical path; sequence parallelism's reduce-scatter + all-gather move the same bytes.
+    activation = micro_rows * work.seq / layout.cp * shape.d_model * work.value_bytes
     tp_link = intra if layout.tp <= spec.devices_per_node else inter
     per_block = 6 if layout.activation_checkpointing else 4
     tp_comm = (
@@ -201,12 +230,14 @@ def _comm_s(
     # Data parallel: this device's gradients (FSDP: reduce-scatter + 2 all-gathers).
     dp_link = inter if layout.workers > spec.devices_per_node else intra
     passes = 3.0 if layout.zero_stage == 3 else 2.0
-    dp_total = _ring_s(params * work.value_bytes, layout.dp, dp_link, latency, passes)
+    sync_ranks = layout.dp * layout.cp  # a sequence's cp workers average with the replicas
+    dp_total = _ring_s(params * work.value_bytes, sync_ranks, dp_link, latency, passes)
     # Overlapped with backward where it runs per block as backward goes (DDP's buckets, FSDP's
     # reduce-scatters: in a pipeline, during the last micro-batch's backward); after it for
-    # tensor-parallel and pipeline replicas, which average once backward is over.
+    # tensor-parallel, pipeline and context-parallel replicas, which average once backward
+    # is over.
     dims = layout.dims
-    overlapped = dims.fsdp_enabled or not (dims.tp_enabled or dims.pp_enabled)
+    overlapped = dims.fsdp_enabled or not (dims.tp_enabled or dims.pp_enabled or dims.cp_enabled)
     window = compute * 2 / 3 / layout.microbatches
     dp_comm = max(dp_total - window, 0.0) if overlapped else dp_total
 
@@ -218,15 +249,44 @@ def _comm_s(
     return {"tp_comm": tp_comm, "dp_comm": dp_comm, "pp_comm": pp_comm}
 
 
+def _ring_comm_s(
+    work: Workload, layout: Layout, cluster: Cluster, micro_rows: float, efficiency: float
+) -> float:
+    """Ring attention's exposed transfers: per attention layer and micro-batch, cp - 1 K/V
+    blocks per pass, each over one ring step's attention compute (`raylane.plan.ring`). The
+    ring's cp workers are tp apart in the mesh: one node while cp x tp devices fit in one."""
+    cp = layout.cp
+    if cp == 1:
+        return 0.0
+    spec, device, h, s = cluster.spec, cluster.device, work.shape.d_model, work.seq
+    link = (
+        device.intra_node_gbps
+        if cp * layout.tp <= spec.devices_per_node
+        else (device.inter_node_gbps)
+    )
+    block = kv_block_bytes(micro_rows, s / cp, h / layout.tp)
+    transfer = block / (link * 1e9) + spec.link_latency_us * 1e-6
+    # Megatron's attention core, 4·b·s²·h per layer forward: 1/(cp·tp) per worker, in cp steps.
+    step_flops = 4 * micro_rows * s * s * h / (cp * cp * layout.tp)
+    step_compute = step_flops / (device.peak_flops[work.precision] * efficiency)
+    passes = ring_passes(layout.activation_checkpointing)
+    per_layer = exposed_ring_s(cp, passes, transfer, step_compute)
+    return per_layer * work.shape.n_layers / layout.pp * layout.microbatches
+
+
 def _activation_bytes(work: Workload, layout: Layout, micro_rows: float) -> float:
-    """Peak activations on the first device (the first pipeline stage holds the most)."""
-    s, h, a, t = work.seq, work.shape.d_model, work.n_heads, layout.tp
+    """Peak activations on the first device (the first pipeline stage holds the most), for the
+    T/cp tokens of each sequence it holds. With activation checkpointing each block keeps its
+    input, and the block that backward recomputes holds its whole activations meanwhile."""
+    s, h, a, t = work.seq / layout.cp, work.shape.d_model, work.n_heads, layout.tp
     scale = work.value_bytes / 2  # the formula counts 16-bit activations
+    ring_saved, ring_working = _ring_attention_bytes(work, layout, micro_rows)
+    regions = 10 / t if layout.dims.sequence_parallel else 10  # norms, residuals
+    scores = 0.0 if layout.cp > 1 else 5 * a * s / (h * t)  # ring attention saves none
+    whole = s * micro_rows * h * (regions + 24 / t + scores) * scale + ring_saved
+    per_layer, recomputed = whole, 0.0
     if layout.activation_checkpointing:
-        per_layer = 2 * s * micro_rows * h * scale
-    else:
-        regions = 10 / t if layout.dims.sequence_parallel else 10  # norms, residuals
-        per_layer = s * micro_rows * h * (regions + 24 / t + 5 * a * s / (h * t)) * scale
+        per_layer, recomputed = 2 * s * micro_rows * h * scale, whole
     if layout.pp == 1:
         in_flight = 1
     elif layout.schedule == "gpipe":
@@ -234,4 +294,23 @@ def _activation_bytes(work: Workload, layout: Layout, micro_rows: float) -> floa
     else:
         in_flight = min(layout.pp, layout.microbatches)
     logits = s * micro_rows * work.shape.vocab_size * 4 * 2  # fp32 logits and their softmax
-    return per_layer * (work.shape.n_layers / layout.pp) * in_flight + logits
+    layers = per_layer * (work.shape.n_layers / layout.pp) * in_flight
+    return layers + recomputed + logits + ring_working
+
+
+def _ring_attention_bytes(work: Workload, layout: Layout, micro_rows: float) -> tuple[float, float]:
+    """What ring attention holds beyond the formula's terms: saved per layer (the fp32
+    log-sum-exp per head and token; under bf16, fp32 q, k, v and output where the formula
+    counts 16-bit ones: 18 bytes per value against 8), and the working set of the layer that
+    computes: raylane's kernel materialises a ring step's fp32 (T/cp)² block per head and row,
+    up to three at once (forward: scores, their shifted copy, probabilities; backward: the
+    probabilities, dP and dS)."""
+    if layout.cp == 1:
+        return 0.0, 0.0
+    s, heads = work.seq / layout.cp, work.n_heads / layout.tp
+    values = micro_rows * s * work.shape.d_model / layout.tp
+    saved = RING_VALUE_BYTES * micro_rows * s * heads
+    if work.value_bytes == 2:
+        saved += (4 * RING_VALUE_BYTES + 2 - 8) * values
+    working = 3 * RING_VALUE_BYTES * micro_rows * heads * s * s
+    return saved, working

@@ -13,12 +13,28 @@ sum of the same measured parts:
   others (the fill and drain bubble), and the activation sends between stages;
 * exposed communication: the data-parallel gradient all-reduce (scaled by the compression's
   byte ratio; every `period` steps for local SGD; one reduce-scatter and two all-gathers for
-  FSDP), tensor parallelism's all-reduces of each block's activations, and a parameter
-  server's gradient push and weight pull for async / ssp.
+  FSDP), tensor parallelism's all-reduces of each block's activations (sequence parallelism's
+  reduce-scatter + all-gather move the same bytes: the same time), and a parameter server's
+  gradient push and weight pull for async / ssp;
+* the ring (context parallelism, its own part of the split): per attention layer, cp - 1
+  key/value blocks forward and twice that backward, each a point-to-point transfer (the
+  profile's `p2p` fit) that overlaps one ring step's attention compute and counts where it
+  outlasts it (`raylane.plan.ring`).
+
+Context parallelism (cp workers per sequence, each with T/cp of every row's tokens): a cp
+worker does 1/cp of each row's block work, so its compute is the profile's per-row fits at
+rows/cp (the fixed per-op cost kept); the attention core's share of it, the compute a ring
+step hides a transfer behind, is Megatron's s/6h term at the whole sequence. The fits time
+torch's fused attention, and raylane's ring kernel is slower per block (explicit matmuls, fp32
+softmax: `benchmarks/README.md`, long_context), which the first measured trial's calibration
+absorbs. The model's gradients are averaged over the dp x cp workers after backward.
 
 Memory is the worker's resident baseline plus model state (parameters, gradients, optimizer
 state, sharded as the strategy shards them) plus the activations autograd saves (per row, as
-profiled) for the micro-batches a stage holds at once.
+profiled) for the micro-batches a stage holds at once: 1/cp of them under context parallelism
+(activations are linear in T: attention saves its output and log-sum-exp, never T x T
+scores), and with sequence parallelism the two LayerNorms' inputs (fp32, T x d each) on 1/tp
+of the tokens.
 
 The profile measures fp32. With `training.precision: bf16` the parameters, gradients and
 optimizer state stay fp32 (`raylane.parallel.precision`); what changes is predicted from
@@ -35,6 +51,7 @@ from dataclasses import dataclass
 
 from raylane.config import RaylaneConfig
 from raylane.config.dims import ParallelDims
+from raylane.plan.ring import attention_core_share, exposed_ring_s, kv_block_bytes, ring_passes
 
 _FP32 = 4  # bytes of an activation or gradient element
 _STATE_BYTES_PER_PARAM = {"adamw": 4 + 4 + 8, "sgd": 4 + 4}
@@ -55,6 +72,8 @@ class LocalPrediction:
     parts: dict[str, float]
     memory_mb: float
     samples_per_s: float
+    #: The part of memory_mb that is activations (what an activation budget limits).
+    activation_mb: float = 0.0
 
     @property
     def step_ms(self) -> float:
@@ -74,6 +93,7 @@ class LocalPrediction:
             parts=parts,
             memory_mb=self.memory_mb + memory_offset_mb,
             samples_per_s=self.samples_per_s * self.step_s / step if step > 0 else 0.0,
+            activation_mb=self.activation_mb,
         )
 
 
@@ -127,12 +147,15 @@ def predict_config(profile: dict, cfg: RaylaneConfig) -> LocalPrediction:
     shape = _Shape.of(profile, cfg)
     parts = _compute_parts(profile, cfg, shape)
     parts["comm"] += _sync_comm(profile, cfg, shape)
+    parts["ring"] = _ring_s(profile, cfg, shape)
     step = sum(parts.values())
+    activations = _activation_bytes(profile, cfg, shape) / 2**20
     return LocalPrediction(
         step_s=step,
         parts=parts,
-        memory_mb=_peak_memory_mb(profile, cfg, shape),
+        memory_mb=_peak_memory_mb(profile, cfg, shape) + activations,
         samples_per_s=cfg.training.batch_size * shape.dp / step if step > 0 else 0.0,
+        activation_mb=activations,
     )
 
 
@@ -145,9 +168,12 @@ class _Shape:
     pp: int
     tp: int
     dp: int
+    cp: int
+    sequence_parallel: bool
     pipelined: bool
     micro: int
-    rows: float  # per micro-batch, per replica
+    rows: float  # per micro-batch, per replica (its cp workers hold T/cp tokens of each)
+    tokens: float  # of each row, on this worker: T/cp
     stage_layers: float
     params_held: float
     activation_bytes: float  # one block's input for `rows` rows
@@ -163,36 +189,38 @@ class _Shape:
         params_held = (model.n_layers / pp) * block_params / tp + ends_params / pp
         if dims.fsdp_enabled:  # the stage's (or whole model's) share, over its dp shards
             params_held /= dp
+        tokens = model.input_dim / dims.cp
         return cls(
-            level=_level(profile, par.workers), pp=pp, tp=tp, dp=dp, pipelined=dims.pp_enabled,
-            micro=micro, rows=rows, stage_layers=model.n_layers / pp, params_held=params_held,
-            activation_bytes=rows * model.input_dim * model.d_model * _FP32,
+            level=_level(profile, par.workers), pp=pp, tp=tp, dp=dp, cp=dims.cp,
+            sequence_parallel=dims.sequence_parallel, pipelined=dims.pp_enabled, micro=micro,
+            rows=rows, tokens=tokens, stage_layers=model.n_layers / pp, params_held=params_held,
+            activation_bytes=rows * tokens * model.d_model * _FP32,
         )  # fmt: skip
 
 
 def _compute_parts(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> dict[str, float]:
     """Compute (blocks, ends, optimizer, tensor-parallel all-reduces), the pipeline bubble,
     and the pipeline's own communication (sends and the schedule's cost)."""
-    level, tp, rows = shape.level, shape.tp, shape.rows
+    level, rows = shape.level, shape.rows
     recompute = cfg.training.activation_checkpointing
 
     def block_s(r: float) -> float:
-        # Tensor parallelism splits the per-row work; each op's fixed cost stays.
-        seconds = _fit(level["block"], r / tp)
+        # Tensor and context parallelism split the per-row work; each op's fixed cost stays.
+        seconds = _fit(level["block"], r / (shape.tp * shape.cp))
         if recompute:
-            seconds += _fit(level["block_forward"], r / tp)
+            seconds += _fit(level["block_forward"], r / (shape.tp * shape.cp))
         return seconds
 
     optimizer = level["optimizer_s_per_param"] * shape.params_held
     tp_comm = 0.0
-    if tp > 1:
+    if shape.tp > 1:
         per_block = 6 if recompute else 4
         tp_comm = (
             shape.stage_layers * per_block * _link(level.get("all_reduce"), shape.activation_bytes)
         )
     if not shape.pipelined:
         blocks = cfg.model.n_layers * block_s(rows)
-        compute = blocks + _fit(level["ends"], rows) + optimizer + tp_comm
+        compute = blocks + _fit(level["ends"], rows / shape.cp) + optimizer + tp_comm
         return {"compute": compute, "bubble": 0.0, "comm": 0.0}
     pp, micro = shape.pp, shape.micro
     last = shape.stage_layers * block_s(rows) + _fit(level["ends"], rows) + tp_comm
@@ -214,7 +242,8 @@ def _sync_comm(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
     layers = cfg.model.n_layers
     block_params, ends_params = profile["block_params"], profile["ends_params"]
     grad_bytes = _FP32 * ((layers / shape.pp) * block_params / shape.tp + ends_params)
-    ring = level.get("all_reduce") if dp > 1 else None
+    # A sequence's cp workers average their gradients with the replicas'.
+    ring = level.get("all_reduce") if dp * shape.cp > 1 else None
     # What a synchronous step waits beyond the collective itself (hooks, skew between workers
     # on shared cores): measured under DDP on the whole model at this worker count.
     ddp_wait = _fit(level["ddp_wait"], shape.rows) if "ddp_wait" in level else 0.0
@@ -229,7 +258,7 @@ def _sync_comm(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
     if dims.fsdp_enabled:  # reduce-scatter (fp32), the all-gathers forward and backward
         gathered = grad_bytes / 2 if cfg.training.precision == "bf16" else grad_bytes
         return 0.5 * _link(ring, grad_bytes) + _link(ring, gathered) + skew
-    if dims.tp_enabled or dims.pp_enabled:  # gradients averaged (compressed) after backward
+    if dims.tp_enabled or dims.pp_enabled or dims.cp_enabled:  # averaged after backward
         sent = _link(ring, grad_bytes * _compression_ratio(cfg))
         return sent + (skew if par.workers > 1 else 0.0)
     # DDP: what backward waits for after its last bucket, less what compression saves.
@@ -237,20 +266,40 @@ def _sync_comm(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
     return max(ddp_wait - saved, 0.0) if dp > 1 else 0.0
 
 
+def _ring_s(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
+    """Ring attention's exposed transfers (`raylane.plan.ring`): per layer, cp - 1 K/V blocks
+    of this worker's tokens per pass, each a point-to-point transfer over one ring step's
+    attention compute (the core's share of the block's forward, 1/cp of it per step)."""
+    if shape.cp == 1:
+        return 0.0
+    model = cfg.model
+    block_bytes = kv_block_bytes(shape.rows, shape.tokens, model.d_model / shape.tp)
+    transfer = _link(profile.get("p2p"), block_bytes)
+    block = _fit(shape.level["block"], shape.rows / (shape.tp * shape.cp))  # forward + backward
+    step_compute = attention_core_share(model.input_dim, model.d_model) * block / 3 / shape.cp
+    passes = ring_passes(cfg.training.activation_checkpointing)
+    return model.n_layers * exposed_ring_s(shape.cp, passes, transfer, step_compute)
+
+
 def _peak_memory_mb(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
-    """Baseline, model state as the strategy holds it, and activations of the micro-batches
-    a stage holds at once (1 when not pipelined)."""
-    par, bf16 = cfg.parallelism, cfg.training.precision == "bf16"
+    """Baseline and model state as the strategy holds it (activations: `_activation_bytes`)."""
     state_per_param = _STATE_BYTES_PER_PARAM[cfg.training.optimizer]
-    if bf16:
+    if cfg.training.precision == "bf16":
         state_per_param += _BF16_WEIGHT_COPY_BYTES
+    return profile["baseline_rss_mb"] + state_per_param * shape.params_held / 2**20
+
+
+def _activation_bytes(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
+    """Activations of the micro-batches a stage holds at once (1 when not pipelined), for
+    this worker's T/cp tokens of each row."""
+    par, bf16 = cfg.parallelism, cfg.training.precision == "bf16"
     in_flight = shape.micro if par.schedule == "gpipe" else min(shape.pp, shape.micro)
-    ends_activations = profile["ends_activation_bytes_per_row"] * shape.rows
+    ends_activations = profile["ends_activation_bytes_per_row"] * shape.rows / shape.cp
     if cfg.training.activation_checkpointing:  # each block keeps only its input
-        activations = shape.activation_bytes * shape.stage_layers * in_flight + ends_activations
-    else:
-        per_row = profile["block_activation_bytes_per_row"] * shape.stage_layers
-        if bf16:
-            per_row *= _BF16_BLOCK_ACTIVATIONS
-        activations = (per_row * shape.rows + ends_activations) * in_flight
-    return profile["baseline_rss_mb"] + (state_per_param * shape.params_held + activations) / 2**20
+        return shape.activation_bytes * shape.stage_layers * in_flight + ends_activations
+    per_layer = profile["block_activation_bytes_per_row"] / shape.cp
+    if bf16:
+        per_layer *= _BF16_BLOCK_ACTIVATIONS
+    if shape.sequence_parallel:  # the two LayerNorms' fp32 inputs, on 1/tp of the tokens
+        per_layer -= 2 * shape.tokens * cfg.model.d_model * _FP32 * (1 - 1 / shape.tp)
+    return (per_layer * shape.stage_layers * shape.rows + ends_activations) * in_flight

@@ -16,9 +16,8 @@ sharing a node's cores are measured sharing them:
   few micro-batch counts: the schedule's own cost per micro-batch (sends, receives, its Python).
 
 Once, at full concurrency: a point-to-point exchange between ranks 0 and 1 (alpha + beta), the
-bytes autograd saves per row in a block and in the ends (activation memory), and the worker's
-resident memory before any model exists. The cost model (`raylane.plan.measured`) composes
-these into every layout's step time and memory.
+bytes autograd saves per row in a block and in the ends with the loss (fp32 logits and their
+log-softmax), and the worker's resident memory before any model exists, for `raylane.plan.measured`.
 """
 
 from __future__ import annotations
@@ -337,6 +336,8 @@ def summarise(records: list[dict], cfg) -> dict[str, Any]:
     """One profile from every worker's records: medians over workers, then the fits."""
     import torch
 
+    from raylane.train.loop import cross_entropy
+
     m = cfg.model
     levels: dict[str, Any] = {}
     for k in records[0]["levels"]:
@@ -363,8 +364,9 @@ def summarise(records: list[dict], cfg) -> dict[str, Any]:
     block_activation = _saved_bytes_per_row(
         block, lambda rows: torch.randn(rows, m.input_dim, m.d_model, requires_grad=True)
     )
-    ends_activation = _saved_bytes_per_row(
-        ends, lambda rows: torch.randint(0, m.num_classes, (rows, m.input_dim))
+    ends_activation = _saved_bytes_per_row(  # what the loss keeps counts: a run computes it
+        lambda tokens: cross_entropy(ends(tokens), tokens),
+        lambda rows: torch.randint(0, m.num_classes, (rows, m.input_dim)),
     )
     # At the largest concurrency measured (the job's worker group): the headline figures.
     top = levels[str(max(records[0]["levels"]))]
@@ -376,7 +378,6 @@ def summarise(records: list[dict], cfg) -> dict[str, Any]:
         "block_params": sum(p.numel() for p in block.parameters()),
         "ends_params": sum(p.numel() for p in ends.parameters()),
         "block_activation_bytes_per_row": block_activation,
-        # Logits and their softmax gradient (fp32) are what the ends hold per row.
         "ends_activation_bytes_per_row": ends_activation,
         "baseline_rss_mb": statistics.median(r["baseline_rss_mb"] for r in records),
         "block_flops_per_s": block_train_flops(largest, m.input_dim, m.d_model) / block_s,

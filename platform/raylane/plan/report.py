@@ -14,14 +14,17 @@ from raylane.plan.hardware import Cluster
 from raylane.plan.pricing import LayoutCost
 from raylane.plan.search import Plan, config_overrides
 
+#: The step's parts, as columns: compute, then what each parallel axis adds.
+_PARTS = ("compute", "bubble", "tp_comm", "dp_comm", "pp_comm", "cp_comm")
+
 
 def render(result: Plan, cluster: Cluster, efficiency: float, console: Console, top: int) -> None:
     _print_workload(result, cluster, console)
     table = Table(title=f"best {min(top, len(result.ranked))} of {len(result.ranked)} layouts")
-    for column in ("#", "layout", "step s", "tokens/s", "TFLOP/s/dev", "memory GB"):
+    for column in ("#", "layout", "step s", "tokens/s", "TFLOP/s/dev", "memory GB", "act GB"):
         table.add_column(column, justify="left" if column == "layout" else "right")
-    for column in ("compute", "bubble", "tp comm", "dp comm", "pp comm"):
-        table.add_column(column, justify="right")
+    for part in _PARTS:
+        table.add_column(part.replace("_", " "), justify="right")
     for rank, prediction in enumerate(result.ranked[:top], start=1):
         parts = prediction.parts
         table.add_row(
@@ -31,7 +34,8 @@ def render(result: Plan, cluster: Cluster, efficiency: float, console: Console, 
             f"{prediction.tokens_per_s:,.0f}",
             f"{prediction.flops_per_device / 1e12:.1f}",
             f"{prediction.memory_bytes / 1e9:.1f}",
-            *(f"{parts[k]:.3f}" for k in ("compute", "bubble", "tp_comm", "dp_comm", "pp_comm")),
+            f"{prediction.activation_bytes / 1e9:.1f}",
+            *(f"{parts[k]:.3f}" for k in _PARTS),
         )
     console.print(table)
     _print_basis(result, cluster, efficiency, console)

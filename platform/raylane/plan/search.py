@@ -3,7 +3,7 @@ time on the whole cluster, or by expected cost per epoch on any number of its no
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from raylane.config import RaylaneConfig
 from raylane.config.dims import ParallelDims
@@ -57,15 +57,27 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def layouts(work: Workload, devices: int, devices_per_node: int) -> list[Layout]:
-    """Layouts of exactly `devices` workers that raylane's strategies can run: every
-    `ParallelDims` candidate (tp within a node, pp dividing the blocks) whose data-parallel
-    workers split the batch, with and without activation checkpointing, and with each
-    micro-batch count a pipeline's rows allow."""
-    found = []
+def _dims_for(work: Workload, devices: int, devices_per_node: int) -> list[ParallelDims]:
+    """Every `ParallelDims` candidate (tp within a node, pp dividing the blocks, cp where the
+    sequence cuts into 2 * cp chunks), and each tensor-parallel one also with sequence
+    parallelism where every cp worker's tokens split over tp."""
     tps = [t for t in _divisors(devices_per_node) if work.n_heads % t == 0]
     pps = [p for p in _divisors(work.shape.n_layers) if p <= devices]
-    for dims in ParallelDims.candidates(devices, tps, pps):
+    cps = [c for c in _divisors(devices) if work.seq % (2 * c) == 0]
+    found = []
+    for dims in ParallelDims.candidates(devices, tps, pps, cps):
+        found.append(dims)
+        if dims.tp_enabled and (work.seq // dims.cp) % dims.tp == 0:
+            found.append(replace(dims, sequence_parallel=True))
+    return found
+
+
+def layouts(work: Workload, devices: int, devices_per_node: int) -> list[Layout]:
+    """Layouts of exactly `devices` workers that raylane's strategies can run: every candidate
+    layout (`_dims_for`) whose data-parallel workers split the batch, with and without
+    activation checkpointing, and with each micro-batch count a pipeline's rows allow."""
+    found = []
+    for dims in _dims_for(work, devices, devices_per_node):
         if work.global_batch % dims.dp:
             continue
         rows = work.global_batch // dims.dp
@@ -132,6 +144,8 @@ def config_overrides(
         f"parallelism.dp={layout.dp}",
         f"parallelism.tp={layout.tp}",
         f"parallelism.pp={layout.pp}",
+        f"parallelism.cp={layout.cp}",
+        f"parallelism.sequence_parallel={str(layout.dims.sequence_parallel).lower()}",
         f"parallelism.microbatches={layout.microbatches}",
         f"parallelism.schedule={layout.schedule}",
         "parallelism.use_gpu=true",

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from raylane.config import ConfigError, RaylaneConfig, load_config
-from raylane.config.layout import PIPELINED, SHARDED
+from raylane.config.layout import PIPELINED
 from raylane.config.loader import with_absolute_paths
 from raylane.tune.spec import TuneSpec
 
@@ -30,6 +30,8 @@ class Candidate:
             f"w{o['parallelism.workers']}",
             f"dp{o['parallelism.dp']}xpp{o['parallelism.pp']}",
             *([f"tp{o['parallelism.tp']}"] if o.get("parallelism.tp", 1) > 1 else []),
+            *([f"cp{o['parallelism.cp']}"] if o.get("parallelism.cp", 1) > 1 else []),
+            *(["sp"] if o.get("parallelism.sequence_parallel") else []),
             f"m{o['parallelism.microbatches']}",
             f"b{o['training.batch_size']}",
         ]
@@ -61,6 +63,8 @@ _LAYOUT_KEYS = {
     "parallelism.dp",
     "parallelism.pp",
     "parallelism.tp",
+    "parallelism.cp",
+    "parallelism.sequence_parallel",
     "parallelism.microbatches",
     "training.batch_size",
     "parallelism.grad_compression",
@@ -76,29 +80,36 @@ def _yaml_value(value: Any) -> str:
 
 
 def _layouts(
-    strategy: str, workers: int, pps: list[int], tps: list[int]
-) -> list[tuple[int, int, int]]:
-    """(dp, pp, tp) per layout of `strategy` on `workers`; an impossible one is kept so that
-    the config's validation names why it is pruned."""
+    strategy: str, workers: int, pps: list[int], tps: list[int], cps: list[int]
+) -> list[tuple[int, int, int, int]]:
+    """(dp, pp, tp, cp) per layout of `strategy` on `workers`; an impossible one is kept so
+    that the config's validation names why it is pruned. Sequences are split over cp workers
+    in 'ddp' and 'tp' layouts only (the strategies context parallelism runs with)."""
     if strategy in PIPELINED:
-        return [(workers // pp, pp, 1) for pp in pps if workers % pp == 0] or [(workers, 1, 1)]
-    if strategy in SHARDED:
-        degrees = sorted({1, *tps}) if strategy == "fsdp" else tps
-        found = [(max(workers // tp, 1), 1, tp) for tp in degrees]
-        if strategy == "fsdp":  # and every pipeline stage sharded over its dp workers
-            found += [(workers // pp, pp, 1) for pp in pps if pp > 1 and workers % pp == 0]
-        return [(dp, pp, tp) for dp, pp, tp in found if pp == 1 or dp > 1]
-    return [(workers, 1, 1)]
+        found = [(workers // pp, pp, 1) for pp in pps if workers % pp == 0] or [(workers, 1, 1)]
+        return [(dp, pp, tp, 1) for dp, pp, tp in found]
+    if strategy == "tp":
+        return [(max(workers // (tp * cp), 1), 1, tp, cp) for tp in tps for cp in cps]
+    if strategy == "fsdp":
+        found = [(max(workers // tp, 1), 1, tp) for tp in sorted({1, *tps})]
+        # and every pipeline stage sharded over its dp workers
+        found += [(workers // pp, pp, 1) for pp in pps if pp > 1 and workers % pp == 0]
+        return [(dp, pp, tp, 1) for dp, pp, tp in found if pp == 1 or dp > 1]
+    if strategy == "ddp":
+        return [(max(workers // cp, 1), 1, 1, cp) for cp in cps]
+    return [(workers, 1, 1, 1)]
 
 
 def _combinations(space, extra_keys: list[str]):
-    """Every (strategy, workers, (dp, pp, tp), micro-batches, batch size, compression,
-    checkpointing, *extra) of the space; micro-batch counts only where there are stages."""
+    """Every (strategy, workers, (dp, pp, tp, cp), sequence parallelism, micro-batches, batch
+    size, compression, checkpointing, *extra) of the space; micro-batch counts only where
+    there are stages, sequence parallelism only where there is tensor parallelism."""
     for strategy, workers in itertools.product(space.strategy, space.workers):
-        for layout in _layouts(strategy, workers, space.pp, space.tp):
+        for layout in _layouts(strategy, workers, space.pp, space.tp, space.cp):
             pipelined = strategy in PIPELINED or layout[1] > 1
             yield from itertools.product(
                 [strategy], [workers], [layout],
+                space.sequence_parallel if layout[2] > 1 else [False],
                 space.microbatches if pipelined else [1],
                 space.batch_size,
                 space.grad_compression,
@@ -114,9 +125,8 @@ def enumerate_candidates(spec: TuneSpec) -> tuple[list[Candidate], list[Pruned]]
     pruned: list[Pruned] = []
     seen: set[str] = set()
     extra_keys = list(space.extra)
-    for strategy, workers, (dp, pp, tp), micro, batch, compression, ac, *extra in _combinations(
-        space, extra_keys
-    ):
+    for combination in _combinations(space, extra_keys):
+        strategy, workers, (dp, pp, tp, cp), sp, micro, batch, compression, ac, *extra = combination
         candidate = Candidate(
             {
                 "parallelism.strategy": strategy,
@@ -124,6 +134,8 @@ def enumerate_candidates(spec: TuneSpec) -> tuple[list[Candidate], list[Pruned]]
                 "parallelism.dp": dp,
                 "parallelism.pp": pp,
                 "parallelism.tp": tp,
+                "parallelism.cp": cp,
+                "parallelism.sequence_parallel": sp,
                 "parallelism.microbatches": micro,
                 "training.batch_size": batch,
                 "parallelism.grad_compression": compression,

@@ -64,7 +64,6 @@ def rank_with_profile(
 ) -> Ranking:
     """Predict every candidate from `profile`, prune by memory, keep the top k."""
     configs = {c.key: trial_config(spec, c) for c in candidates}
-    budget = spec.constraints.memory_mb_per_worker
     predictions: dict[str, LocalPrediction] = {}
     fitting: list[Candidate] = []
     pruned: list[Pruned] = []
@@ -74,10 +73,8 @@ def rank_with_profile(
         except ProfileMismatch as exc:
             raise ConfigError(f"{candidate.key}: {exc}") from None
         predictions[candidate.key] = predicted
-        if predicted.memory_mb > budget:
-            reason = (
-                f"predicted peak {predicted.memory_mb:,.0f} MB over the {budget:,.0f} MB budget"
-            )
+        reason = over_budget(spec, predicted)
+        if reason:
             pruned.append(Pruned(candidate, reason))
         else:
             fitting.append(candidate)
@@ -91,6 +88,17 @@ def rank_with_profile(
         profile_run_id=run_id,
         profile_s=profile_s,
     )
+
+
+def over_budget(spec: TuneSpec, predicted: LocalPrediction) -> str | None:
+    """Why a prediction breaks the spec's memory budgets (peak, then activations), or None."""
+    budget, activations = spec.constraints.memory_mb_per_worker, predicted.activation_mb
+    if predicted.memory_mb > budget:
+        return f"predicted peak {predicted.memory_mb:,.0f} MB over the {budget:,.0f} MB budget"
+    limit = spec.constraints.activation_mb_per_worker
+    if limit is not None and activations > limit:
+        return f"predicted activations {activations:,.1f} MB over the {limit:,.1f} MB budget"
+    return None
 
 
 class PredictedFirst(Searcher):

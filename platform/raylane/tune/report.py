@@ -17,8 +17,9 @@ from raylane.tune.candidates import trial_config
 from raylane.tune.search import SearchOutcome, TrialOutcome
 from raylane.tune.spec import TuneSpec
 
-COLUMNS = ["rank", "layout", "strategy", "workers", "dp", "pp", "microbatches", "batch_size",
-           "grad_compression", "activation_checkpointing", "samples_per_s", "peak_rss_mb",
+COLUMNS = ["rank", "layout", "strategy", "workers", "dp", "pp", "tp", "cp", "sequence_parallel",
+           "microbatches", "batch_size", "grad_compression", "activation_checkpointing",
+           "samples_per_s", "peak_rss_mb",
            "train_loss", "step_ms", "compute_ms", "comm_ms", "bubble_ms", "data_wait_ms",
            "comm_bytes_per_step", "predicted_samples_per_s", "predicted_step_ms",
            "measured_step_ms", "step_error", "predicted_memory_mb", "epochs", "status",
@@ -42,6 +43,9 @@ def _row(rank: int | str, trial: TrialOutcome) -> dict:
         "workers": o["parallelism.workers"],
         "dp": o["parallelism.dp"],
         "pp": o["parallelism.pp"],
+        "tp": o.get("parallelism.tp", 1),
+        "cp": o.get("parallelism.cp", 1),
+        "sequence_parallel": o.get("parallelism.sequence_parallel", False),
         "microbatches": o["parallelism.microbatches"],
         "batch_size": o["training.batch_size"],
         "grad_compression": o["parallelism.grad_compression"],
@@ -254,6 +258,10 @@ def log_to_mlflow(spec: TuneSpec, outcome: SearchOutcome, files: list[Path]) -> 
                     metrics["predicted_step_ms"] = trial.predicted.step_ms
                     metrics["predicted_samples_per_s"] = trial.predicted.samples_per_s
                     metrics["predicted_memory_mb"] = trial.predicted.memory_mb
+                    metrics["predicted_activation_mb"] = trial.predicted.activation_mb
+                    # The predicted split (ring included) beside the measured step_*_ms.
+                    for part, seconds in trial.predicted.parts.items():
+                        metrics[f"predicted_step_{part}_ms"] = 1000 * seconds
                 if trial.step_error is not None:
                     metrics["step_error"] = trial.step_error
                 if trial.samples_per_s is not None:

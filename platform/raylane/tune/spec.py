@@ -29,6 +29,17 @@ class SearchSpace(StrictModel):
         min_length=1,
         description="Tensor-parallel degrees ('tp'; 'fsdp' also tries tp 1).",
     )
+    cp: list[int] = Field(
+        default_factory=lambda: [1],
+        min_length=1,
+        description="Context-parallel degrees: workers each sequence is split over ('ddp' and "
+        "'tp'; other strategies run cp 1). model.input_dim must divide into 2 * cp chunks.",
+    )
+    sequence_parallel: list[bool] = Field(
+        default_factory=lambda: [False],
+        min_length=1,
+        description="Sequence parallelism in tensor-parallel blocks (layouts with tp > 1).",
+    )
     microbatches: list[int] = Field(
         default_factory=lambda: [4, 8], min_length=1, description="Micro-batches (pipelined)."
     )
@@ -53,6 +64,13 @@ class Constraints(StrictModel):
     cpus_per_worker: float = Field(0.5, gt=0, description="CPUs each trial worker reserves.")
     memory_mb_per_worker: float = Field(
         4096, gt=0, description="Largest worker resident memory (MB) a winner may use."
+    )
+    activation_mb_per_worker: float | None = Field(
+        None,
+        gt=0,
+        description="Largest predicted activation memory (MB) per worker: layouts predicted "
+        "over it are pruned before they run (e.g. what a smaller device leaves for "
+        "activations; context parallelism divides them by cp). Unset: no separate limit.",
     )
     require_falling_loss: bool = Field(
         True, description="A winner's training loss must fall over its trial."
