@@ -53,6 +53,7 @@ def _run_ring(group, rank: int, world: int) -> dict:
         "dv": v.grad,
         "gathered": gather_sequence(out.detach(), SEQ, group),
         "traffic": (traffic.forward_bytes, traffic.backward_bytes, traffic.transfers),
+        "waited_s": traffic.wait_s,
     }
 
 
@@ -111,6 +112,7 @@ def test_ring_attention_equals_causal_sdpa_on_the_whole_sequence(world, ring_res
         == (expected.forward_bytes, expected.backward_bytes, expected.transfers)
         for result in ring_results
     )
+    assert all(result[world]["waited_s"] > 0 for result in ring_results)  # timed waits
     # Forward: N-1 k/v blocks of 2 * 2 * 2 * (64 / N) * 8 fp32 values each.
     assert expected.forward_bytes == (world - 1) * 2 * 2 * 2 * (64 // world) * 8 * 4
 
@@ -124,6 +126,7 @@ def test_one_rank_is_plain_causal_attention_without_communication():
     for name, got in (("out", out), ("dq", q.grad), ("dk", k.grad), ("dv", v.grad)):
         assert (got - full[name]).abs().max() <= ATOL, name
     assert traffic.total_bytes == 0 and ring_traffic(k, 1).total_bytes == 0
+    assert traffic.wait_s == 0.0  # nothing to wait for
 
 
 def test_custom_scale_matches_sdpa():

@@ -110,6 +110,8 @@ def check_layout(cfg: RaylaneConfig) -> None:
     """Raise ValueError naming the first impossible combination of `cfg`'s layout: its options
     (compression, stragglers, tp), then the rules of its kind of strategy."""
     _check_options(cfg)
+    if cfg.parallelism.elastic:
+        _check_elastic(cfg)
     strategy = cfg.parallelism.strategy
     if strategy in SHARDED:
         _check_sharded(cfg)
@@ -117,6 +119,26 @@ def check_layout(cfg: RaylaneConfig) -> None:
         _check_data_parallel(cfg)
     else:
         _check_pipelined(cfg)
+
+
+def _check_elastic(cfg: RaylaneConfig) -> None:
+    """An elastic worker range: a data-parallel layout whose replicas agree after every step,
+    and a global batch every size in the range splits evenly."""
+    par = cfg.parallelism
+    if par.strategy != "ddp" or par.cp > 1:
+        raise ValueError(
+            f"parallelism.workers {{min, max}} resizes 'ddp' runs (cp 1); strategy "
+            f"'{par.strategy}' with cp {par.cp} keeps a fixed worker count: set workers to one "
+            "number"
+        )
+    global_batch = cfg.training.batch_size * par.workers
+    uneven = [n for n in range(par.min_workers, par.workers + 1) if global_batch % n]
+    if uneven:
+        raise ValueError(
+            f"parallelism.workers {{min: {par.min_workers}, max: {par.workers}}}: the global "
+            f"batch (training.batch_size * max = {global_batch}) does not split evenly over "
+            f"{', '.join(map(str, uneven))} workers"
+        )
 
 
 def _check_compression(par) -> None:

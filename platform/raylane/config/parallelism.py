@@ -57,7 +57,23 @@ class ParallelismConfig(StrictModel):
         2,
         ge=1,
         description="Ray Train workers (processes) in the job: dp * pp * tp (pipeline, hybrid, "
-        "fsdp with pp > 1), dp * tp (tp, fsdp).",
+        "fsdp with pp > 1), dp * tp (tp, fsdp). `{min: M, max: N}` makes a ddp run elastic: "
+        "it starts with N workers when the cluster has room for them, with M at least, and "
+        "resizes when nodes leave or join; stored as `workers: N, min_workers: M`.",
+    )
+    min_workers: int | None = Field(
+        None,
+        ge=1,
+        description="An elastic run's fewest workers (`workers` is then the most). The global "
+        "batch stays `training.batch_size * workers` at every size (each worker's share is "
+        "recomputed) and every worker reads the same global batches, so the samples per step "
+        "do not depend on the size. Each resize restarts the worker group from the latest "
+        "checkpoint: set `training.checkpoint_every_steps`.",
+    )
+    elastic_resize_monitor_s: float = Field(
+        60.0,
+        gt=0,
+        description="Elastic runs: seconds between Ray Train's checks for room to grow.",
     )
     pp: int = Field(1, ge=1, description="Pipeline stages (pipeline, hybrid, fsdp).")
     dp: int = Field(
@@ -143,8 +159,28 @@ class ParallelismConfig(StrictModel):
         "PACK", description="Ray placement strategy of the worker group."
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _worker_range(cls, data):
+        """`workers: {min, max}` -> `workers: max, min_workers: min`."""
+        if not isinstance(data, dict) or not isinstance(data.get("workers"), dict):
+            return data
+        span = data["workers"]
+        if set(span) != {"min", "max"}:
+            raise ValueError(f"workers as a range takes exactly min and max (got {sorted(span)})")
+        if "min_workers" in data:
+            raise ValueError("give min_workers or workers: {min, max}, not both")
+        return {**data, "workers": span["max"], "min_workers": span["min"]}
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the worker count may change during the run."""
+        return self.min_workers is not None
+
     @model_validator(mode="after")
     def _check_resources(self) -> ParallelismConfig:
+        if self.min_workers is not None and self.min_workers > self.workers:
+            raise ValueError(f"workers: min ({self.min_workers}) is above max ({self.workers})")
         for name, amount in self.resources_per_worker.items():
             if amount < 0:
                 raise ValueError(f"resources_per_worker.{name} must not be negative")

@@ -120,6 +120,11 @@ class StrategyDefaults:
         """After the optimizer step (local SGD averages the parameters here)."""
         return None
 
+    def ring_wait_s(self) -> float:
+        """Seconds the last step's forward and backward waited for context parallelism's
+        ring transfers (counted apart from compute)."""
+        return 0.0
+
     def backward_comm_s(self, backward_started: float, backward_done: float) -> float:
         """Seconds of backward spent only waiting for collectives (DDP's last buckets)."""
         return 0.0
@@ -147,7 +152,8 @@ class StrategyDefaults:
             + (synced - backward_done)
             + (done - stepped)
         )
-        self.last_step_parts = {"compute": done - started - comm, "comm": comm}
+        ring = self.ring_wait_s()
+        self.last_step_parts = {"compute": done - started - comm - ring, "comm": comm, "ring": ring}
         self.steps += 1
         return loss.detach()
 
@@ -189,6 +195,11 @@ class WholeModelReplica(StrategyDefaults):
         self.saves_checkpoint = rank == 0
         self.last_step_parts: dict[str, float] = {}
         self.sent_bytes = self.dense_bytes = self.steps = 0
+        if cfg.parallelism.elastic:
+            # Every worker reads the same global batches and takes its slice of each, so which
+            # samples a step trains on does not depend on how many workers there are.
+            self.splits_dataset = False
+            self.data_rank, self.data_world = rank, world_size()
 
 
 def world_size() -> int:

@@ -51,6 +51,8 @@ class MeshParallel(StrategyDefaults):
         # Replicas, and the workers holding a sequence's other chunks, average their gradients.
         self.cp, self.cp_rank = self.mesh.dims.cp, self.mesh.cp_rank
         self.row_reporters = self.cp  # every cp worker reports its chunks' loss
+        self.ring = self._ring_meter()
+        self.ring_waited_s = 0.0
         self.replicas = self.mesh.dims.dp_replicate * self.cp
         if self.replicas > 1:
             from raylane.parallel.grad_compression import GroupAverager
@@ -69,7 +71,21 @@ class MeshParallel(StrategyDefaults):
             self.mesh,
             activation_checkpointing=self.activation_checkpointing,
             precision=self.precision,
+            ring_traffic=self.ring,
         )
+
+    def _ring_meter(self):
+        if self.cp == 1:
+            return None
+        from raylane.parallel.ring_attention import RingTraffic
+
+        return RingTraffic()
+
+    def ring_wait_s(self) -> float:
+        if self.ring is None:
+            return 0.0
+        waited, self.ring_waited_s = self.ring.wait_s - self.ring_waited_s, self.ring.wait_s
+        return waited
 
     def sync_gradients(self, model: nn.Module) -> None:
         # The tensor-parallel all-reduces and FSDP's all-gathers and reduce-scatters run inside
@@ -90,6 +106,8 @@ class MeshParallel(StrategyDefaults):
     ) -> torch.Tensor | None:
         with autocast(self.precision, self.device):
             outputs = model(inputs.to(self.device)).float().cpu()  # every tp worker takes part
+        if self.ring is not None:  # an evaluation's ring waits belong to no training step
+            self.ring_waited_s = self.ring.wait_s
         return outputs if self.reports_loss else None
 
     def epoch_stats(self) -> dict[str, float]:

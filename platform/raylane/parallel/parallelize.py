@@ -51,18 +51,21 @@ def apply_tensor_parallel(
     return model
 
 
-def apply_context_parallel(model: nn.Module, cp_group, cp_rank: int, cp: int) -> nn.Module:
+def apply_context_parallel(
+    model: nn.Module, cp_group, cp_rank: int, cp: int, traffic=None
+) -> nn.Module:
     """Make `model` (a whole GPT) compute on this worker's chunks of each sequence (in place):
     its positions are the chunks' own (`ring_attention.positions_for`), and every block's
     attention is ring attention over the `cp_group` workers, which hold the other chunks. The
-    inputs it is given are already this worker's part (`shard_sequence`, by the strategy)."""
+    inputs it is given are already this worker's part (`shard_sequence`, by the strategy).
+    `traffic` (a `RingTraffic`) counts the ring's bytes and the time spent waiting for them."""
     from raylane.parallel.ring_attention import positions_for, ring_attention
 
     def positions(length: int, device) -> torch.Tensor:
         return positions_for(length * cp, cp_rank, cp).to(device)
 
     def attention(q, k, v):
-        return ring_attention(q, k, v, cp_group)
+        return ring_attention(q, k, v, cp_group, traffic=traffic)
 
     model.positions = positions
     for block in model.blocks.values():
@@ -91,11 +94,13 @@ def parallelize(
     *,
     activation_checkpointing: bool = False,
     precision: str = "fp32",
+    ring_traffic=None,
 ) -> nn.Module:
     """Apply the layout's parallelisms to `model` in order (in place; returns it). `mesh` is
-    None for layouts whose workers each hold the whole model (nothing to split or shard)."""
+    None for layouts whose workers each hold the whole model (nothing to split or shard).
+    `ring_traffic` measures context parallelism's ring (`apply_context_parallel`)."""
     if mesh is not None and mesh.dims.cp_enabled:
-        apply_context_parallel(model, mesh.cp_group, mesh.cp_rank, mesh.dims.cp)
+        apply_context_parallel(model, mesh.cp_group, mesh.cp_rank, mesh.dims.cp, ring_traffic)
     if mesh is not None and mesh.dims.tp_enabled:
         apply_tensor_parallel(model, mesh.tp_mesh, mesh.dims.sequence_parallel)
     if activation_checkpointing:

@@ -35,10 +35,11 @@ def available_strategies() -> list[str]:
     return sorted(_STRATEGIES)
 
 
-def splits_dataset(name: str, cp: int = 1) -> bool:
+def splits_dataset(name: str, cp: int = 1, elastic: bool = False) -> bool:
     """Whether Ray Train should shard the datasets across the workers of this strategy (never
-    with context parallelism: a sequence's chunks are read by several workers)."""
-    return cp == 1 and _strategy_class(name).splits_dataset
+    with context parallelism: a sequence's chunks are read by several workers; never in an
+    elastic run: every worker reads the same global batches, whatever their number)."""
+    return cp == 1 and not elastic and _strategy_class(name).splits_dataset
 
 
 def get_strategy(cfg: RaylaneConfig, rank: int) -> ParallelStrategy:

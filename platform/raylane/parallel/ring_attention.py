@@ -35,6 +35,7 @@ ahead of time and a `RingTraffic` passed to `ring_attention` counts what was sen
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,9 @@ class RingTraffic:
     forward_bytes: int = 0
     backward_bytes: int = 0
     transfers: int = 0
+    #: Seconds this rank waited for transfers after computing with what it held: the ring's
+    #: exposed time (the rest of the transfers overlapped the blocks' compute).
+    wait_s: float = 0.0
 
     @property
     def total_bytes(self) -> int:
@@ -187,9 +191,12 @@ def _exchange(send: torch.Tensor, group, rank: int, world: int, tag: int):
     return received, dist.batch_isend_irecv(ops)
 
 
-def _wait(requests) -> None:
+def _wait(requests, traffic: RingTraffic | None) -> None:
+    started = time.perf_counter()
     for request in requests:
         request.wait()
+    if traffic is not None:
+        traffic.wait_s += time.perf_counter() - started
 
 
 def _merge(out, lse, rows: slice, block_out, block_lse) -> None:
@@ -244,7 +251,7 @@ class _RingAttention(torch.autograd.Function):
             )
             _merge(out, lse, rows, block_out, block_lse)
             if step + 1 < world:
-                _wait(requests)
+                _wait(requests, traffic)
                 kv = incoming
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.traffic = group, scale, traffic
@@ -283,15 +290,15 @@ class _RingAttention(torch.autograd.Function):
                 # The held block's accumulator arrives from the previous rank (from step 2 on:
                 # at step 1 this rank is the first after the block's home) and moves on.
                 if pending is not None:
-                    _wait(pending[2])
+                    _wait(pending[2], traffic)
                     grads += pending[1]
                 pending = (grads, *_exchange(grads, group, rank, world, _GRAD_TAG))
                 _count(traffic, grads, backward=True)
             if step + 1 < world:
-                _wait(requests)
+                _wait(requests, traffic)
                 kv = incoming
         if pending is not None:  # this rank's own accumulator, back from its trip round
-            _wait(pending[2])
+            _wait(pending[2], traffic)
             home += pending[1]
         return dq.to(q.dtype), home[0].to(k.dtype), home[1].to(v.dtype), None, None, None
 

@@ -3,7 +3,8 @@
 The loop measures each step's wall time (from asking for the batch to the end of the
 optimizer step) and the data wait; the strategy measures the rest of the step in parts
 (`ParallelStrategy.last_step_parts`): compute (forward, backward and optimizer step),
-exposed communication (what the step waited for after its last gradient was ready) and, for
+exposed communication (what the step waited for after its last gradient was ready), context
+parallelism's ring (what attention waited for key/value blocks beyond its compute) and, for
 pipelines, the bubble (a stage waiting for its neighbours), plus any delay a configured
 straggler injected (`raylane.train.straggler`). The parts are measured, not
 derived from the total, so `split_error` says how much of the step they leave unaccounted.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-PARTS = ("data_wait", "compute", "comm", "bubble", "straggler")
+PARTS = ("data_wait", "compute", "comm", "ring", "bubble", "straggler")
 
 
 @dataclass

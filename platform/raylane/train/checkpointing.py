@@ -70,14 +70,17 @@ class Position:
     step: int = 0
     loss_sum: float = 0.0
     rows: int = 0
+    #: Optimizer steps of the run before this point, all epochs together.
+    global_step: int = 0
 
 
 def resume_position(directory: Path) -> Position:
     """Where training continues after checkpoint `directory`."""
     meta = json.loads((Path(directory) / META_FILE).read_text())
+    global_step = meta.get("global_step", 0)
     if "step" not in meta:  # an epoch checkpoint: the next epoch from its start
-        return Position(meta["epoch"] + 1)
-    return Position(meta["epoch"], meta["step"], meta["loss_sum"], meta["rows"])
+        return Position(meta["epoch"] + 1, global_step=global_step)
+    return Position(meta["epoch"], meta["step"], meta["loss_sum"], meta["rows"], global_step)
 
 
 def restore_checkpoint(
@@ -94,9 +97,10 @@ def restore_checkpoint(
 
 
 def _write_meta(directory: Path, epoch: int, metrics: dict) -> None:
-    """`metrics` of a step checkpoint hold `step`, `loss_sum` and `rows` (`Position`)."""
+    """`metrics` of a step checkpoint hold `step`, `loss_sum` and `rows`, and every
+    checkpoint's the run's `global_step` (`Position`)."""
     meta = {"epoch": epoch, "metrics": metrics}
-    meta |= {k: metrics[k] for k in ("step", "loss_sum", "rows") if k in metrics}
+    meta |= {k: metrics[k] for k in ("step", "loss_sum", "rows", "global_step") if k in metrics}
     (directory / META_FILE).write_text(json.dumps(meta))
 
 

@@ -39,6 +39,7 @@ from raylane.train.checkpointing import (
     restore_sharded_checkpoint,
     save_epoch_checkpoint,
 )
+from raylane.train.elastic import at_world_size
 from raylane.train.phases import WorkerMarks
 from raylane.train.step_checkpoints import StepCheckpoints, epoch_start
 from raylane.train.straggler import Straggler
@@ -145,8 +146,7 @@ def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank, marks, sta
         if step < skip:  # trained on before the step checkpoint this run continues from
             step_start = time.perf_counter()
             continue
-        if step > skip and saver.due(step):  # `step` steps done, more to come (not resumed)
-            saver.save(epoch, step, loss_sum, rows)
+        if saver.between_steps(epoch, step, skip, loss_sum, rows):  # a checkpoint written
             step_start = time.perf_counter()  # the checkpoint's time is not this step's
         data_wait = time.perf_counter() - step_start
         straggler.maybe_wait(epoch, step)
@@ -164,6 +164,7 @@ def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank, marks, sta
         if straggler.waited_s:
             parts["straggler"] = straggler.waited_s
         times.add(now - step_start, data_wait, parts)
+        saver.step_done()
         marks.mark("first_step")
         step_start = now
     elapsed = time.perf_counter() - start
@@ -253,8 +254,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     system metrics, and every rank its console output (`logs/rank-N.*`).
     """
     marks = WorkerMarks()  # rank 0's marks split the job's phases (raylane.train.phases)
-    cfg = RaylaneConfig.model_validate(loop_config["config"])
     context = ray.train.get_context()
+    cfg = RaylaneConfig.model_validate(loop_config["config"])
+    cfg = at_world_size(cfg, context.get_world_size())  # an elastic group's share of the batch
     rank = context.get_world_rank()
     torch.set_num_threads(worker_threads(cfg, context.get_local_world_size()))
     seed_everything(cfg.training.seed)
@@ -359,7 +361,7 @@ def _train_epochs(strategy, model, optimizer, cfg, start, rank, epoch_logger, ma
     split_history: list[dict[str, float]] = []
     if cfg.finetune is not None and start == Position(0):
         _log_base_loss(strategy, model, validation_shard, cfg, epoch_logger)
-    saver = StepCheckpoints(cfg.training.checkpoint_every_steps, strategy, model, optimizer)
+    saver = StepCheckpoints(cfg, strategy, model, optimizer, start, loop_config, epoch_logger)
     for epoch in range(start.epoch, cfg.training.epochs):
         train_loss, rows, split, elapsed = _train_epoch(
             strategy, model, optimizer, train_shard, cfg, epoch, rank, marks,
@@ -369,6 +371,7 @@ def _train_epochs(strategy, model, optimizer, cfg, start, rank, epoch_logger, ma
         val_loss, val_accuracy = _evaluate(strategy, model, validation_shard, cfg)
         metrics = {
             "epoch": epoch,
+            **saver.epoch_metrics(),
             "train_loss": train_loss,
             "val_loss": val_loss,
             "val_accuracy": val_accuracy,

@@ -12,7 +12,9 @@ steps on the same data, as if it had never stopped.
 
 from __future__ import annotations
 
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import ray.train
@@ -20,19 +22,62 @@ import torch
 import torch.distributed as dist
 
 from raylane.train.checkpointing import Position, save_epoch_checkpoint
+from raylane.train.elastic import RunProgress, log_group_start, refresh_cluster_view
+
+#: Seconds after a drain deadline by which the node has left Ray's view of the cluster.
+NODE_LEAVES_S = 2.0
 
 
 class StepCheckpoints:
-    """Writes the step checkpoints of one worker's run; a no-op when they are off."""
+    """What happens between two steps of a run that may lose its nodes: the step checkpoints
+    (a no-op when they are off), the global step count, rank 0's progress record, and the
+    reaction to a drain notice.
 
-    def __init__(self, every: int | None, strategy, model, optimizer):
-        self.every = every
+    With `training.checkpoint_every_steps` set, every worker asks Ray Train before each step
+    whether a node of the group is being drained (`ray.train.get_preemption_info`, a barrier of
+    the group). On a notice the group checkpoints after the step it just finished and then
+    waits: Ray Train ends the group at the deadline and restarts it from that checkpoint
+    without the drained node, so no step is trained twice."""
+
+    def __init__(self, cfg, strategy, model, optimizer, position: Position, loop_config, logger):
+        """Also, on rank 0, records the group's start (`raylane.train.elastic`)."""
+        self.every = cfg.training.checkpoint_every_steps
+        self.elastic = cfg.parallelism.elastic
         self.strategy, self.model, self.optimizer = strategy, model, optimizer
+        self.global_step = position.global_step
+        keeps_progress = self.every is not None or self.elastic
+        self.progress = RunProgress(loop_config.get("progress_path") if keeps_progress else None)
+        if dist.get_rank() == 0:
+            log_group_start(self.progress, position, dist.get_world_size(), logger)
+
+    def epoch_metrics(self) -> dict[str, int]:
+        """The run's optimizer steps so far, and an elastic run's worker count."""
+        size = {"world_size": dist.get_world_size()} if self.elastic else {}
+        return {"global_step": self.global_step, **size}
 
     def due(self, steps_done: int) -> bool:
         """Whether a checkpoint follows the first `steps_done` steps of an epoch (asked
         before the next step, so the epoch's last step is left to the epoch's checkpoint)."""
         return self.every is not None and steps_done > 0 and steps_done % self.every == 0
+
+    def between_steps(self, epoch: int, steps_done: int, skip: int, loss_sum, rows) -> bool:
+        """Before step `steps_done` of `epoch` (the first `skip` came from a checkpoint):
+        checkpoint when due or on a drain notice; whether a checkpoint was written."""
+        if steps_done < skip:
+            return False
+        notice = self.every is not None and ray.train.get_preemption_info()
+        wrote = steps_done > skip and (self.due(steps_done) or bool(notice))
+        if wrote:
+            self.save(epoch, steps_done, loss_sum, rows)
+        if notice:
+            self._wait_for_restart(notice)
+        return wrote
+
+    def step_done(self) -> None:
+        """One more optimizer step trained (rank 0 records it)."""
+        self.global_step += 1
+        if dist.get_rank() == 0:
+            self.progress.step_done(self.global_step)
 
     def save(self, epoch: int, steps_done: int, loss_sum: float, rows: int) -> None:
         """Collective: checkpoint after `steps_done` steps of `epoch`; `loss_sum` and `rows`
@@ -44,7 +89,7 @@ class StepCheckpoints:
             "loss_sum": float(totals[0]),
             "rows": round(totals[1].item()),
         }
-        metrics = {"epoch": epoch, **position}
+        metrics = {"epoch": epoch, "global_step": self.global_step, **position}
         with tempfile.TemporaryDirectory() as directory:
             wrote = save_epoch_checkpoint(
                 Path(directory), self.strategy, self.model, self.optimizer, epoch, metrics
@@ -54,6 +99,29 @@ class StepCheckpoints:
                 checkpoint=ray.train.Checkpoint.from_directory(directory) if wrote else None,
                 checkpoint_dir_name=f"epoch_{epoch:04d}_step_{steps_done:06d}",
             )
+
+    def _wait_for_restart(self, notice) -> None:
+        """Hold the group after its notice checkpoint until Ray Train ends it (a step trained
+        now would be lost with the node)."""
+        deadline = notice.deadline_ms / 1000 - time.time() if notice.deadline_ms else None
+        if dist.get_rank() == 0:
+            when = f"in {deadline:.0f} s" if deadline is not None else "without a deadline"
+            print(
+                f"raylane: node(s) {', '.join(n[:12] for n in notice.preempted_node_ids)} "
+                f"drained {when}; checkpointed after global step {self.global_step}, waiting "
+                "for Ray Train to restart the group without them",
+                file=sys.stderr,
+                flush=True,
+            )
+        # The first worker that stays has Ray look at the nodes once the drained one is gone,
+        # so that the restart does not count it.
+        staying = sorted(set(range(dist.get_world_size())) - set(notice.preempted_ranks))
+        refreshes = bool(staying) and staying[0] == dist.get_rank()
+        gone_at = time.time() + (deadline or 0.0) + NODE_LEAVES_S
+        while True:
+            time.sleep(1.0)
+            if refreshes and time.time() > gone_at:
+                refresh_cluster_view()
 
 
 def epoch_start(position: Position, epoch: int) -> tuple[int, float, int]:

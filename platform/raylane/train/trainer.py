@@ -14,11 +14,23 @@ from raylane.config import RaylaneConfig
 # driver's value on to the controller and the workers.
 HEALTH_CHECK_ENV = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"
 HEALTH_CHECK_S = "0.5"
+# Ray Train's watcher asks Ray for draining nodes every 5 s by default; a drain notice can
+# leave under a minute to react, so raylane asks every second (one small GCS query).
+PREEMPTION_POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"
+PREEMPTION_POLL_S = "1"
+# An elastic group restarted right after losing a node may still count it (Ray Train's view
+# of the nodes is refreshed every 20 s) and wait for a worker there until this timeout (60 s
+# by default) before it counts again; elastic runs wait 30 s.
+START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+ELASTIC_START_TIMEOUT_S = "30"
+PROGRESS_FILE = "raylane_progress.json"
 
 
 def prompt_health_checks() -> None:
-    """Set raylane's health-check interval for the Ray Train runs this process starts."""
+    """Set raylane's health-check and drain-poll intervals for the Ray Train runs this
+    process starts."""
     os.environ.setdefault(HEALTH_CHECK_ENV, HEALTH_CHECK_S)
+    os.environ.setdefault(PREEMPTION_POLL_ENV, PREEMPTION_POLL_S)
 
 
 def build_trainer(
@@ -44,6 +56,8 @@ def build_trainer(
     from raylane.train.loop import train_loop_per_worker
 
     prompt_health_checks()
+    if cfg.parallelism.elastic:
+        os.environ.setdefault(START_TIMEOUT_ENV, ELASTIC_START_TIMEOUT_S)
     memory = {k: v for k, v in datasets.items() if isinstance(v, MemorySplit)}
     datasets = {k: v for k, v in datasets.items() if k not in memory}
     par = cfg.parallelism
@@ -55,19 +69,27 @@ def build_trainer(
         train_loop_config={
             "config": _worker_config(cfg),
             "memory_splits": memory,
+            # Where rank 0 notes the last step trained, so a restart counts the steps it lost.
+            "progress_path": str(_run_dir(cfg, run_name) / PROGRESS_FILE),
             **loop_config,
         },
         torch_config=TorchConfig(backend="nccl" if par.use_gpu else "gloo"),
         scaling_config=ScalingConfig(
-            num_workers=par.workers,
+            # A range asks Ray Train for an elastic group: it starts with as many as fit (at
+            # least min), and restarts at a new size when nodes leave or room appears.
+            num_workers=(par.min_workers, par.workers) if par.elastic else par.workers,
+            elastic_resize_monitor_interval_s=par.elastic_resize_monitor_s,
             use_gpu=par.use_gpu,
             resources_per_worker=resources,
             placement_strategy=par.placement_strategy,
         ),
         run_config=RunConfig(
             name=run_name,
-            storage_path=str(Path(cfg.training.storage_path).resolve()),
-            failure_config=FailureConfig(max_failures=cfg.training.max_failures),
+            storage_path=str(_run_dir(cfg, run_name).parent),
+            failure_config=FailureConfig(
+                max_failures=cfg.training.max_failures,
+                preemption_grace_s=cfg.training.preemption_grace_s,
+            ),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.training.checkpoints_to_keep),
             callbacks=callbacks,
         ),
@@ -76,10 +98,15 @@ def build_trainer(
         dataset_config=DataConfig(
             # Pipeline stages read the same rows (the first stage needs the inputs, the last
             # the targets), so their datasets are not sharded.
-            datasets_to_split="all" if splits_dataset(par.strategy, par.cp) else [],
+            datasets_to_split="all" if splits_dataset(par.strategy, par.cp, par.elastic) else [],
             execution_options=_ordered_ingest_options(),
         ),
     )
+
+
+def _run_dir(cfg: RaylaneConfig, run_name: str) -> Path:
+    """Ray Train's directory of the run: its checkpoints, and raylane's progress file."""
+    return Path(cfg.training.storage_path).resolve() / run_name
 
 
 def _worker_config(cfg: RaylaneConfig) -> dict:
