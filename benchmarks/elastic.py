@@ -216,17 +216,25 @@ def _final_state(run: dict, tracking_uri: str) -> tuple[dict, list[float]]:
 
 
 def _resize_seconds(run: dict) -> list[float]:
-    """Node left -> group trains at one worker; node joined -> group trains at two."""
+    """Node left -> the group starts at one worker; node joined -> at two (when it grew
+    before the run ended)."""
     events, marks = run["events"], run["marks"]
     shrink = next(e for e in events if e["world_size"] == 1)
-    grow = next(e for e in events if e["previous_world_size"] == 1)
-    return [shrink["time"] - marks["node_left"], grow["time"] - marks["node_added"]]
+    grow = [e for e in events if e["previous_world_size"] == 1]
+    seconds = [shrink["time"] - marks["node_left"]]
+    return seconds + [grow[0]["time"] - marks["node_added"]] if grow else seconds
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--every", type=int, default=5, help="training.checkpoint_every_steps")
+    parser.add_argument("--figures-from", type=Path, help="a finished run's work dir: figures only")
     args = parser.parse_args()
+    if args.figures_from is not None:
+        runs = json.loads((args.figures_from / "runs.json").read_text())
+        uri = f"sqlite:///{args.figures_from / 'mlflow.db'}"
+        print(json.dumps(_figures(runs, args.every, uri)))
+        return
     subprocess.run([BIN / "ray", "stop", "--force"], capture_output=True)
     work = Path(tempfile.mkdtemp(prefix="raylane-elastic-"))
     cluster = LocalCluster(work / "nodes")
@@ -260,14 +268,13 @@ def _figures(runs: dict, every: int, tracking_uri: str) -> dict:
         print(f"  resize s (shrink, grow): {_resize_seconds(run)}")
     shrink = {n: next(e for e in runs[n]["events"] if e["world_size"] == 1) for n in runs
               if n != "fixed"}  # fmt: skip
-    grow = {n: next(e for e in runs[n]["events"] if e["previous_world_size"] == 1)
-            for n in shrink}  # fmt: skip
+    grow = [e for n in shrink for e in runs[n]["events"] if e["previous_world_size"] == 1]
     print(f"epoch losses fixed {fixed_losses}\n             notice {notice_losses}")
     return {
         "checkpoint_every_steps": every,
         "steps_lost_with_notice": shrink["notice"]["steps_lost"],
         "steps_lost_abrupt": shrink["abrupt"]["steps_lost"],
-        "steps_lost_on_grow": max(g["steps_lost"] for g in grow.values()),
+        "steps_lost_on_grow": max((g["steps_lost"] for g in grow), default=None),
         "final_loss_ratio": round(notice_losses[-1] / fixed_losses[-1], 6),
         "epoch_loss_max_rel_gap": loss_gap,
         "final_weight_max_abs_gap": weight_gap,

@@ -195,13 +195,6 @@ class TrainingConfig(StrictModel):
         "checkpoint (-1: unlimited). A node lost without notice is one; drained nodes "
         "(preemptions with a notice) are not counted here.",
     )
-    preemption_grace_s: float = Field(
-        5.0,
-        ge=0,
-        description="After a drained node's deadline, seconds before Ray Train restarts the "
-        "group. Meanwhile rank 0 has Ray refresh its view of the nodes (otherwise up to 20 s "
-        "old), so the restart does not count the departed node and wait for a worker there.",
-    )
 
 
 class TrackingConfig(StrictModel):

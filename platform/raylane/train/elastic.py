@@ -117,21 +117,3 @@ def log_group_start(progress: RunProgress, position, world_size: int, logger) ->
     if logger is not None:
         logger.log({"world_size": world_size, "steps_lost": progress.steps_lost}, position.epoch)
         logger.log_tables({EVENTS_TABLE: progress.table()})
-
-
-def refresh_cluster_view() -> None:
-    """Make Ray look at the cluster's nodes now, after a drained node has gone.
-
-    Ray Train sizes a restarted elastic group from Ray's autoscaling coordinator (the named
-    actor `AutoscalingCoordinator`), whose view of the nodes is refreshed every 20 s. A group
-    restarted on an older view counts the departed node and waits for a worker there until
-    Ray Train's worker-start timeout. Asking the coordinator for a recomputed reservation
-    refreshes its view for every requester. Best effort: without it the restart is only
-    slower."""
-    import ray
-
-    try:
-        coordinator = ray.get_actor("AutoscalingCoordinator", namespace="AutoscalingCoordinator")
-        ray.get(coordinator.get_reserved_resources.remote("raylane", recompute=True), timeout=10)
-    except Exception as exc:  # noqa: BLE001 - a slower restart, not a failed run
-        print(f"raylane: cluster view not refreshed ({exc})", file=sys.stderr)

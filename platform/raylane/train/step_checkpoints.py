@@ -22,10 +22,7 @@ import torch
 import torch.distributed as dist
 
 from raylane.train.checkpointing import Position, save_epoch_checkpoint
-from raylane.train.elastic import RunProgress, log_group_start, refresh_cluster_view
-
-#: Seconds after a drain deadline by which the node has left Ray's view of the cluster.
-NODE_LEAVES_S = 2.0
+from raylane.train.elastic import RunProgress, log_group_start
 
 
 class StepCheckpoints:
@@ -113,15 +110,8 @@ class StepCheckpoints:
                 file=sys.stderr,
                 flush=True,
             )
-        # The first worker that stays has Ray look at the nodes once the drained one is gone,
-        # so that the restart does not count it.
-        staying = sorted(set(range(dist.get_world_size())) - set(notice.preempted_ranks))
-        refreshes = bool(staying) and staying[0] == dist.get_rank()
-        gone_at = time.time() + (deadline or 0.0) + NODE_LEAVES_S
         while True:
             time.sleep(1.0)
-            if refreshes and time.time() > gone_at:
-                refresh_cluster_view()
 
 
 def epoch_start(position: Position, epoch: int) -> tuple[int, float, int]:

@@ -86,10 +86,7 @@ def build_trainer(
         run_config=RunConfig(
             name=run_name,
             storage_path=str(_run_dir(cfg, run_name).parent),
-            failure_config=FailureConfig(
-                max_failures=cfg.training.max_failures,
-                preemption_grace_s=cfg.training.preemption_grace_s,
-            ),
+            failure_config=FailureConfig(max_failures=cfg.training.max_failures),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.training.checkpoints_to_keep),
             callbacks=callbacks,
         ),
