@@ -18,13 +18,19 @@ DIGITS = ROOT / "configs" / "train" / "digits_ddp.yaml"
 
 
 def _load(*overrides: str):
-    return load_config(DIGITS, list(overrides))
+    return load_config(DIGITS, ["training.checkpoint_every_steps=5", *overrides])
 
 
 def test_a_worker_range_is_stored_as_max_and_min():
     cfg = _load("parallelism.workers={min: 1, max: 3}", "training.batch_size=16")
     assert (cfg.parallelism.workers, cfg.parallelism.min_workers) == (3, 1)
     assert cfg.parallelism.elastic and not _load().parallelism.elastic
+    saved = _load(
+        "parallelism.min_workers=null",
+        "parallelism.workers={min: 2, max: 4}",
+        "training.batch_size=12",
+    )
+    assert (saved.parallelism.workers, saved.parallelism.min_workers) == (4, 2)  # a resolved
 
 
 @pytest.mark.parametrize(
@@ -40,6 +46,14 @@ def test_a_worker_range_is_stored_as_max_and_min():
             ["parallelism.workers={min: 2, max: 4}", "training.batch_size=10"],
             r"global batch \(training.batch_size \* max = 40\) does not split evenly over 3 ",
         ),
+        (
+            ["parallelism.workers={min: 1, max: 2}", "training.checkpoint_every_steps=null"],
+            "restarts the group from its latest checkpoint; set training.checkpoint_every_steps",
+        ),
+        (
+            ["parallelism.workers={min: 1, max: 2}", "parallelism.straggler={rank: 1, delay_s: 1}"],
+            r"straggler.rank 1 may name no worker: an elastic run can shrink to min \(1\)",
+        ),
     ],
 )
 def test_impossible_worker_ranges_are_refused_in_one_line(overrides, message):
@@ -49,10 +63,13 @@ def test_impossible_worker_ranges_are_refused_in_one_line(overrides, message):
 
 
 def test_each_size_takes_its_share_of_one_global_batch():
-    cfg = _load("parallelism.workers={min: 1, max: 4}", "training.batch_size=12")
+    cfg = _load(
+        "parallelism.workers={min: 1, max: 4}", "parallelism.dp=4", "training.batch_size=12"
+    )
     for size, share in ((4, 12), (3, 16), (2, 24), (1, 48)):
-        resized = at_world_size(cfg, size)
+        resized = at_world_size(cfg, size)  # dp, when given, follows the group
         assert (resized.parallelism.workers, resized.training.batch_size) == (size, share)
+        assert resized.parallelism.dp == size
     with pytest.raises(RuntimeError, match="started with 5 workers; its range is 1-4"):
         at_world_size(cfg, 5)
 

@@ -131,6 +131,17 @@ def _check_elastic(cfg: RaylaneConfig) -> None:
             f"'{par.strategy}' with cp {par.cp} keeps a fixed worker count: set workers to one "
             "number"
         )
+    if cfg.training.checkpoint_every_steps is None:
+        raise ValueError(
+            "parallelism.workers {min, max}: every resize restarts the group from its latest "
+            "checkpoint; set training.checkpoint_every_steps (else a resize costs up to an "
+            "epoch, and drain notices are not watched)"
+        )
+    if par.straggler is not None and max(par.straggler.ranks) >= par.min_workers:
+        raise ValueError(
+            f"parallelism.straggler.rank {max(par.straggler.ranks)} may name no worker: an "
+            f"elastic run can shrink to min ({par.min_workers}) workers"
+        )
     global_batch = cfg.training.batch_size * par.workers
     uneven = [n for n in range(par.min_workers, par.workers + 1) if global_batch % n]
     if uneven:

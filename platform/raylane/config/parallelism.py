@@ -168,7 +168,7 @@ class ParallelismConfig(StrictModel):
         span = data["workers"]
         if set(span) != {"min", "max"}:
             raise ValueError(f"workers as a range takes exactly min and max (got {sorted(span)})")
-        if "min_workers" in data:
+        if data.get("min_workers") is not None:
             raise ValueError("give min_workers or workers: {min, max}, not both")
         return {**data, "workers": span["max"], "min_workers": span["min"]}
 

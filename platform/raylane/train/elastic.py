@@ -44,6 +44,8 @@ def at_world_size(cfg: RaylaneConfig, world_size: int) -> RaylaneConfig:
         )
     tree = cfg.model_dump(mode="json")
     tree["parallelism"]["workers"] = world_size
+    if tree["parallelism"]["dp"] != 1:  # ddp's dp, when given, is its workers
+        tree["parallelism"]["dp"] = world_size
     tree["training"]["batch_size"] = global_batch // world_size
     return RaylaneConfig.model_validate(tree)
 
@@ -55,7 +57,10 @@ class RunProgress:
         self.path = Path(path) if path else None
         self.state: dict = {"global_step": 0, "world_size": None, "events": []}
         if self.path is not None and self.path.exists():
-            self.state = json.loads(self.path.read_text())
+            try:
+                self.state = json.loads(self.path.read_text())
+            except json.JSONDecodeError as exc:  # the run goes on; its count starts again
+                print(f"raylane: {self.path} unreadable ({exc}); steps lost not counted")
 
     def start(self, resumed_step: int, world_size: int) -> dict:
         """A worker group starts from global step `resumed_step`: the steps it lost (trained

@@ -15,7 +15,6 @@ import resource
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +77,7 @@ def peak_rss_mb() -> float:
     return peak
 
 
-def _my_batches(strategy, shard, cfg: RaylaneConfig, shuffle_seed: int | None) -> Iterator:
+def _my_batches(strategy, shard, cfg: RaylaneConfig, shuffle_seed: int | None, whole=False):
     """This worker's batches. Workers that read every row (pipeline stages, tensor-parallel
     and FSDP workers) read global batches of `data_world` x batch_size rows and take their
     replica's slice, so a layout with dp replicas trains on exactly the batches one worker
@@ -91,7 +90,8 @@ def _my_batches(strategy, shard, cfg: RaylaneConfig, shuffle_seed: int | None) -
     first = strategy.data_rank * rows
     # Every replica takes a full slice (and pipeline stages infer their buffers' shapes once):
     # the last, partial global batch is dropped.
-    drop_last = not strategy.splits_dataset
+    # (`whole`: an elastic run's evaluation keeps it, each worker its slice, maybe empty.)
+    drop_last = not strategy.splits_dataset and not (whole and cfg.parallelism.elastic)
     if isinstance(shard, MemorySplit):
         splits = strategy.splits_dataset
         part, parts = (dist.get_rank(), dist.get_world_size()) if splits else (0, 1)
@@ -193,9 +193,9 @@ def _epoch_totals(model, optimizer, activations, loss_sum, rows, carried, times)
 def _evaluate(strategy, model, shard, cfg):
     model.eval()
     loss_sum, correct, count = 0.0, 0.0, 0.0
-    for inputs, targets in _my_batches(strategy, shard, cfg, shuffle_seed=None):
+    for inputs, targets in _my_batches(strategy, shard, cfg, shuffle_seed=None, whole=True):
         outputs = strategy.forward(model, inputs, targets)
-        if outputs is None:
+        if outputs is None or not targets.numel():
             continue
         loss_sum += cross_entropy(outputs, targets).item() * targets.numel()
         correct += (outputs.argmax(dim=-1) == targets).sum().item()

@@ -42,7 +42,9 @@ class StepCheckpoints:
         self.elastic = cfg.parallelism.elastic
         self.strategy, self.model, self.optimizer = strategy, model, optimizer
         self.global_step = position.global_step
-        keeps_progress = self.every is not None or self.elastic
+        # Rank 0 keeps the record, beside the checkpoints (shared storage on a multi-node
+        # cluster, as Ray Train's checkpoints need).
+        keeps_progress = (self.every is not None or self.elastic) and dist.get_rank() == 0
         self.progress = RunProgress(loop_config.get("progress_path") if keeps_progress else None)
         if dist.get_rank() == 0:
             log_group_start(self.progress, position, dist.get_world_size(), logger)

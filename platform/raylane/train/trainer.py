@@ -48,7 +48,7 @@ def build_trainer(
     `run_name` must be unique per run: Ray Train resumes a run whose name already exists.
     `callbacks` are Ray Train user callbacks (a Tune trial passes its report callback).
     """
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from raylane.data.memory import MemorySplit
@@ -56,14 +56,10 @@ def build_trainer(
     from raylane.train.loop import train_loop_per_worker
 
     prompt_health_checks()
-    if cfg.parallelism.elastic:
-        os.environ.setdefault(START_TIMEOUT_ENV, ELASTIC_START_TIMEOUT_S)
+    _elastic_start_timeout(cfg.parallelism.elastic)
     memory = {k: v for k, v in datasets.items() if isinstance(v, MemorySplit)}
     datasets = {k: v for k, v in datasets.items() if k not in memory}
     par = cfg.parallelism
-    resources = dict(par.resources_per_worker)
-    if par.use_gpu:
-        resources.setdefault("GPU", 1)
     return TorchTrainer(
         train_loop_per_worker,
         train_loop_config={
@@ -74,15 +70,7 @@ def build_trainer(
             **loop_config,
         },
         torch_config=TorchConfig(backend="nccl" if par.use_gpu else "gloo"),
-        scaling_config=ScalingConfig(
-            # A range asks Ray Train for an elastic group: it starts with as many as fit (at
-            # least min), and restarts at a new size when nodes leave or room appears.
-            num_workers=(par.min_workers, par.workers) if par.elastic else par.workers,
-            elastic_resize_monitor_interval_s=par.elastic_resize_monitor_s,
-            use_gpu=par.use_gpu,
-            resources_per_worker=resources,
-            placement_strategy=par.placement_strategy,
-        ),
+        scaling_config=_scaling_config(par),
         run_config=RunConfig(
             name=run_name,
             storage_path=str(_run_dir(cfg, run_name).parent),
@@ -99,6 +87,39 @@ def build_trainer(
             execution_options=_ordered_ingest_options(),
         ),
     )
+
+
+def _scaling_config(par):
+    """The worker group. A range asks Ray Train for an elastic group: it starts with as many
+    workers as fit (at least min) and restarts at a new size when nodes leave or room
+    appears."""
+    from ray.train import ScalingConfig
+
+    resources = dict(par.resources_per_worker)
+    if par.use_gpu:
+        resources.setdefault("GPU", 1)
+    return ScalingConfig(
+        num_workers=(par.min_workers, par.workers) if par.elastic else par.workers,
+        elastic_resize_monitor_interval_s=par.elastic_resize_monitor_s,
+        use_gpu=par.use_gpu,
+        resources_per_worker=resources,
+        placement_strategy=par.placement_strategy,
+    )
+
+
+_timeout_set_here = False
+
+
+def _elastic_start_timeout(elastic: bool) -> None:
+    """Ray Train's worker-start timeout for the next run: 30 s for an elastic run unless the
+    user set one; what it was otherwise (this process may start other runs after it)."""
+    global _timeout_set_here
+    if elastic and START_TIMEOUT_ENV not in os.environ:
+        os.environ[START_TIMEOUT_ENV] = ELASTIC_START_TIMEOUT_S
+        _timeout_set_here = True
+    elif not elastic and _timeout_set_here:
+        os.environ.pop(START_TIMEOUT_ENV, None)
+        _timeout_set_here = False
 
 
 def _run_dir(cfg: RaylaneConfig, run_name: str) -> Path:

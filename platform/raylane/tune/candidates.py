@@ -185,6 +185,7 @@ def trial_config(spec: TuneSpec, candidate: Candidate, *, for_trial: bool = True
             "training.checkpoints_to_keep=1",
             # Trials report once per measured epoch (what Tune compares), never mid-epoch.
             "training.checkpoint_every_steps=null",
+            "parallelism.min_workers=null",  # a trial measures its layout at its own size
             f"training.storage_path={spec.storage_path.resolve()}",
         ]
         # Trials run in a working directory of their own: relative paths are resolved here.
