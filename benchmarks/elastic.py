@@ -25,7 +25,7 @@ elsewhere; its per-epoch losses are compared too). The last line is one JSON obj
 
     python benchmarks/elastic.py [--every 5]
 
-Takes about 5 minutes. It stops every Ray on this machine first and last (`ray stop`).
+Takes about 6 minutes. It stops every Ray on this machine first and last (`ray stop`).
 """
 
 from __future__ import annotations

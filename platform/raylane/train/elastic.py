@@ -60,7 +60,8 @@ class RunProgress:
             try:
                 self.state = json.loads(self.path.read_text())
             except json.JSONDecodeError as exc:  # the run goes on; its count starts again
-                print(f"raylane: {self.path} unreadable ({exc}); steps lost not counted")
+                print(f"raylane: {self.path} unreadable ({exc}); steps lost not counted",
+                      file=sys.stderr)  # fmt: skip
 
     def start(self, resumed_step: int, world_size: int) -> dict:
         """A worker group starts from global step `resumed_step`: the steps it lost (trained
@@ -106,9 +107,10 @@ class RunProgress:
 
 
 def log_group_start(progress: RunProgress, position, world_size: int, logger) -> None:
-    """Rank 0, as a worker group starts at `position` (a `Position`): its size and the steps
-    it must train again, in the run's progress record and (runs that can resize or restart
-    mid-epoch) in MLflow, at the epoch's step as every epoch metric."""
+    """As a worker group starts at `position` (a `Position`), the record's keeper (rank 0; a
+    no-op elsewhere) notes its size and the steps it must train again, in the run's progress
+    record and (runs that can resize or restart mid-epoch) in MLflow, at the epoch's step as
+    every epoch metric."""
     resumed_step = position.global_step
     if progress.path is None:
         return

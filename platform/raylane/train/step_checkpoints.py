@@ -46,8 +46,7 @@ class StepCheckpoints:
         # cluster, as Ray Train's checkpoints need).
         keeps_progress = (self.every is not None or self.elastic) and dist.get_rank() == 0
         self.progress = RunProgress(loop_config.get("progress_path") if keeps_progress else None)
-        if dist.get_rank() == 0:
-            log_group_start(self.progress, position, dist.get_world_size(), logger)
+        log_group_start(self.progress, position, dist.get_world_size(), logger)
 
     def epoch_metrics(self) -> dict[str, int]:
         """The run's optimizer steps so far, and an elastic run's worker count."""
@@ -75,8 +74,7 @@ class StepCheckpoints:
     def step_done(self) -> None:
         """One more optimizer step trained (rank 0 records it)."""
         self.global_step += 1
-        if dist.get_rank() == 0:
-            self.progress.step_done(self.global_step)
+        self.progress.step_done(self.global_step)
 
     def save(self, epoch: int, steps_done: int, loss_sum: float, rows: int) -> None:
         """Collective: checkpoint after `steps_done` steps of `epoch`; `loss_sum` and `rows`
