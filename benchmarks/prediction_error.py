@@ -8,7 +8,11 @@ shown raw (the profile alone) and calibrated the way `raylane tune` calibrates i
 measurement of one layout (ddp on 2 workers, the first). The last line is one JSON object:
 the median |predicted - measured| / measured step time per strategy and overall.
 
-    python benchmarks/prediction_error.py [--epochs 3] [--steps 6]
+    python benchmarks/prediction_error.py [--epochs 4] [--steps 16] [--save FILE]
+    python benchmarks/prediction_error.py --figures-from FILE   # re-predict a saved run
+
+`--save` keeps what was measured (the profile and every trial's step time and split), so that
+`--figures-from` can score the current cost model against it without measuring again.
 """
 
 from __future__ import annotations
@@ -26,9 +30,12 @@ from raylane.tune.search import run_search
 from raylane.tune.spec import TuneSpec
 
 ROOT = Path(__file__).resolve().parents[1]
+STRATEGIES = ("ddp", "fsdp", "tp", "pipeline", "hybrid", "local_sgd", "ssp")
 
 
-def make_spec(workdir: Path, epochs: int, steps: int) -> TuneSpec:
+def make_spec(
+    workdir: Path, epochs: int, steps: int, strategies=STRATEGIES, name: str = "out"
+) -> TuneSpec:
     return TuneSpec.model_validate(
         {
             "experiment": "bench-prediction",
@@ -40,8 +47,8 @@ def make_spec(workdir: Path, epochs: int, steps: int) -> TuneSpec:
                 "parallelism.schedule=1f1b",
             ],
             "search": {
-                "strategy": ["ddp", "fsdp", "tp", "pipeline", "hybrid", "local_sgd", "ssp"],
-                "workers": [2, 4],
+                "strategy": list(strategies),
+                "workers": [2, 4] if len(strategies) > 1 else [2],
                 "pp": [2],
                 "tp": [2],
                 "microbatches": [4],
@@ -51,74 +58,102 @@ def make_spec(workdir: Path, epochs: int, steps: int) -> TuneSpec:
             "trial": {"epochs": epochs, "steps_per_epoch": steps, "warmup_epochs": 1},
             "scheduler": {"kind": "none"},
             "predict": {"enabled": False},
-            "output_dir": str(workdir / "out"),
-            "storage_path": str(workdir / "runs"),
+            "output_dir": str(workdir / name),
+            "storage_path": str(workdir / f"runs-{name}"),
             "tracking_uri": f"sqlite:///{workdir}/mlflow.db",
         }
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--epochs", type=int, default=3, help="Trial length (epochs).")
-    parser.add_argument("--steps", type=int, default=6, help="Steps per epoch.")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+PARTS = ("compute", "comm", "bubble", "ring", "data_wait")
 
+
+def measure(epochs: int, steps: int) -> dict:
+    """Profile the cluster and run every layout as a trial; what was measured, as JSON."""
     import ray
 
     from raylane.data import ensure_dataset
-    from raylane.plan.measured import predict_config
     from raylane.plan.profile_job import load_or_measure
     from raylane.tune.candidates import enumerate_candidates, trial_config
 
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        spec = make_spec(workdir, args.epochs, args.steps)
+        spec = make_spec(workdir, epochs, steps)
         ray.init(num_cpus=2, logging_level="ERROR", log_to_driver=False)
         try:
             candidates, _ = enumerate_candidates(spec)
-            configs = {c.key: trial_config(spec, c) for c in candidates}
-            widest = max(configs.values(), key=lambda c: c.parallelism.workers)
-            workers = sorted({c.parallelism.workers for c in configs.values()})
+            configs = [trial_config(spec, c) for c in candidates]
+            widest = max(configs, key=lambda c: c.parallelism.workers)
+            workers = sorted({c.parallelism.workers for c in configs})
             ensure_dataset(widest)
             profile, _, _ = load_or_measure(widest, spec.tracking_uri, concurrency=workers)
             grid = run_search(spec)
+            # The calibrating layout once more, last: how far one layout's two measurements
+            # are apart is the floor under any prediction's error.
+            again = run_search(make_spec(workdir, epochs, steps, ("ddp",), "again"))
         finally:
             ray.shutdown()
+    trials = []
+    for trial in grid.trials:
+        split = {p: trial.metrics.get(f"step_{p}_ms", 0.0) for p in PARTS}
+        trials.append(
+            {"key": trial.candidate.key, "overrides": trial.candidate.overrides,
+             "status": trial.status, "detail": trial.detail, "step_ms": trial.step_ms,
+             "data_wait_ms": trial.data_wait_ms, "split_ms": split}
+        )  # fmt: skip
+    repeat = next((t.step_ms for t in again.trials if t.step_ms), None)
+    return {
+        "epochs": epochs, "steps": steps, "profile": profile, "trials": trials,
+        "calibration_repeat_ms": repeat,
+    }  # fmt: skip
 
-    measured = [t for t in grid.trials if t.step_ms]
-    raw = {t.candidate.key: predict_config(profile, configs[t.candidate.key]) for t in measured}
-    reference = next(t for t in measured if t.candidate.key.startswith("ddp-w2"))
+
+def score(run: dict) -> dict:
+    """Predict every measured layout from the run's profile with the current cost model."""
+    from raylane.plan.measured import predict_config
+    from raylane.tune.candidates import Candidate, trial_config
+
+    spec = make_spec(Path(tempfile.gettempdir()), run["epochs"], run["steps"])
+    profile = run["profile"]
+    measured = [t for t in run["trials"] if t["step_ms"]]
+    raw = {
+        t["key"]: predict_config(profile, trial_config(spec, Candidate(t["overrides"])))
+        for t in measured
+    }
+    reference = next(t for t in measured if t["key"].startswith("ddp-w2"))
     calibration = measured_calibration(
-        reference.candidate.key,
-        raw[reference.candidate.key],
-        reference.step_ms,
-        reference.data_wait_ms,
+        reference["key"], raw[reference["key"]], reference["step_ms"], reference["data_wait_ms"],
         None,
-    )
+    )  # fmt: skip
     by_strategy: dict[str, list[float]] = defaultdict(list)
     raw_by_strategy: dict[str, list[float]] = defaultdict(list)
+    print(f"{'layout':34s} {'':9s}" + "".join(f"{p:>10s}" for p in ("step", *PARTS)))
     for trial in measured:
-        key = trial.candidate.key
+        key, step_ms = trial["key"], trial["step_ms"]
         calibrated = calibration.apply(raw[key])
-        error = (calibrated.step_ms - trial.step_ms) / trial.step_ms
-        raw_error = (raw[key].step_ms - trial.step_ms) / trial.step_ms
+        error = (calibrated.step_ms - step_ms) / step_ms
+        raw_error = (raw[key].step_ms - step_ms) / step_ms
         strategy = key.split("-")[0] + ("xtp" if "-tp2-" in key and key.startswith("fsdp") else "")
         if key != calibration.layout:
             by_strategy[strategy].append(abs(error))
         raw_by_strategy[strategy].append(abs(raw_error))
-        print(
-            f"{key:34s} measured {trial.step_ms:7.1f} ms  predicted {calibrated.step_ms:7.1f} ms "
-            f"({error:+.0%})  raw {raw[key].step_ms:7.1f} ms ({raw_error:+.0%})"
-        )
-    for trial in grid.trials:
-        if not trial.step_ms:
-            print(f"{trial.candidate.key:34s} {trial.status}: {trial.detail}")
+        parts = {p: 1000 * calibrated.parts.get(p, 0.0) for p in PARTS}
+        print(f"{key:34s} measured " + f"{step_ms:10.1f}"
+              + "".join(f"{trial['split_ms'][p]:10.1f}" for p in PARTS))  # fmt: skip
+        print(f"{'':34s} predicted{calibrated.step_ms:10.1f}"
+              + "".join(f"{parts[p]:10.1f}" for p in PARTS)
+              + f"   ({error:+.0%}; raw {raw[key].step_ms:.1f} ms, {raw_error:+.0%})")  # fmt: skip
+    for trial in run["trials"]:
+        if not trial["step_ms"]:
+            print(f"{trial['key']:34s} {trial['status']}: {trial['detail']}")
     everything = [e for errors in by_strategy.values() for e in errors]
-    figures = {
+    repeat = run.get("calibration_repeat_ms")
+    return {
         "layouts": len(measured),
         "calibrated_by": calibration.layout,
+        "calibration_repeat_error": (
+            round(abs(repeat - reference["step_ms"]) / reference["step_ms"], 3) if repeat else None
+        ),
         "step_scale": round(calibration.step_scale, 3),
         "median_pred_error": round(statistics.median(everything), 3),
         "median_pred_error_raw": round(
@@ -131,7 +166,25 @@ def main() -> None:
             s: round(statistics.median(errors), 3) for s, errors in sorted(raw_by_strategy.items())
         },
     }
-    print(json.dumps(figures))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--epochs", type=int, default=4, help="Trial length (epochs).")
+    parser.add_argument("--steps", type=int, default=16, help="Steps per epoch.")
+    parser.add_argument("--save", type=Path, help="Write what was measured to this JSON file.")
+    parser.add_argument(
+        "--figures-from", type=Path, help="Score a run saved with --save instead of measuring."
+    )
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    if args.figures_from:
+        run = json.loads(args.figures_from.read_text())
+    else:
+        run = measure(args.epochs, args.steps)
+        if args.save:
+            args.save.write_text(json.dumps(run))
+    print(json.dumps(score(run)))
 
 
 if __name__ == "__main__":

@@ -33,6 +33,14 @@ def test_profile_measures_once_then_is_reused(ray_cluster, workspace):
     assert pair["ddp_wait"]["fixed_s"] + pair["ddp_wait"]["per_row_s"] > 0
     assert pair["schedules"]["gpipe"]["per_row_s"] > 0  # each micro-batch costs the schedule
     assert "all_reduce" not in found["levels"]["1"]
+    # The sharded layouts' blocks as `parallelize` wraps them, on both workers at once: tensor
+    # parallel pays its all-reduces inside the block, more than the plain block's half rows.
+    tp2 = pair["wrapped"]["tp2"]
+    assert set(pair["wrapped"]) == {"tp2", "fsdp2"} and "wrapped" not in found["levels"]["1"]
+    half_rows = pair["block"]["fixed_s"] + 16 * pair["block"]["per_row_s"]
+    assert tp2["fixed_s"] + 32 * tp2["per_row_s"] > half_rows
+    # The parameter server's round trip, alone and with both workers pushing.
+    assert found["levels"]["1"]["ps_push_s"] > 0 and pair["ps_push_s"] > 0
     assert found["block_flops_per_s"] > 1e8
     # A block saves more per row than the ends (logits) do; both are positive.
     assert found["block_activation_bytes_per_row"] > found["ends_activation_bytes_per_row"] > 0

@@ -274,3 +274,49 @@ def test_tensor_parallel_replicas_pay_the_average_after_backward_less_what_fp16_
     grad_bytes = 4 * (4 * 50_000 / 2 + 40_000)
     assert saved == pytest.approx(0.5 * grad_bytes * 1e-9)
     assert fp16.step_s < plain.step_s
+
+
+def _wrapped_profile() -> dict:
+    """PROFILE with the blocks as the sharded layouts of 2 workers ran them, and a parameter
+    server's round trip, at the 2-worker level."""
+    pair = {
+        **PROFILE["levels"]["2"],
+        "wrapped": {"tp2": _fit(20.0, 0.5), "fsdp2": _fit(8.0, 0.8)},
+        "ps_push_s": 30 * MS,
+    }
+    return {**PROFILE, "levels": {**PROFILE["levels"], "2": pair}}
+
+
+def test_sharded_layouts_are_predicted_from_their_own_profiled_block():
+    profile = _wrapped_profile()
+    ends = (0.5 + 0.25 * 32) * MS
+    tp = predict_config(profile, _cfg(
+        "parallelism.strategy=tp", "parallelism.pp=1", "parallelism.tp=2", "parallelism.dp=1",
+    ))  # fmt: skip
+    # The tp block's all-reduces are inside its profiled time: no activation all-reduces on top.
+    optimizer = 1e-8 * (4 * 50_000 / 2 + 40_000)
+    assert tp.parts["compute"] == pytest.approx(4 * (20.0 + 0.5 * 32) * MS + ends + optimizer)
+    fsdp = predict_config(profile, _cfg(
+        "parallelism.strategy=fsdp", "parallelism.pp=1", "parallelism.dp=2",
+        "parallelism.workers=2",
+    ))  # fmt: skip
+    optimizer = 1e-8 * (4 * 50_000 + 40_000) / 2
+    assert fsdp.parts["compute"] == pytest.approx(4 * (8.0 + 0.8 * 32) * MS + ends + optimizer)
+    # Only the ends' gradients are reduce-scattered and gathered outside the blocks' time.
+    plain = predict_config(PROFILE, fsdp_cfg := _cfg(
+        "parallelism.strategy=fsdp", "parallelism.pp=1", "parallelism.dp=2",
+        "parallelism.workers=2",
+    ))  # fmt: skip
+    assert predict_config(profile, fsdp_cfg).parts["comm"] < plain.parts["comm"]
+
+
+def test_parameter_server_layouts_pay_the_profiled_round_trip():
+    ssp = _cfg(
+        "parallelism.strategy=ssp", "parallelism.pp=1", "parallelism.dp=2",
+        "parallelism.workers=2",
+    )  # fmt: skip
+    assert predict_config(_wrapped_profile(), ssp).parts["comm"] == pytest.approx(30 * MS)
+    # An older profile without it: two point-to-point transfers of the model's gradients.
+    grad_bytes = 4 * (4 * 50_000 + 40_000)
+    expected = 2 * (0.1 * MS + 0.3e-9 * grad_bytes)
+    assert predict_config(PROFILE, ssp).parts["comm"] == pytest.approx(expected)

@@ -138,8 +138,6 @@ def test_tensor_parallel_and_fsdp_layouts_are_searched_and_impossible_ones_named
     )  # fmt: skip
     assert found == [
         ("fsdp", 1, 1, 1),  # one worker: nothing to shard, still a valid run
-        ("fsdp", 1, 1, 2),
-        ("fsdp", 1, 1, 4),
         ("fsdp", 2, 1, 1),
         ("fsdp", 2, 1, 2),
         # pipeline x FSDP: each of 2 stages sharded over 2 workers, at 2 and 4 micro-batches
@@ -153,6 +151,9 @@ def test_tensor_parallel_and_fsdp_layouts_are_searched_and_impossible_ones_named
     reasons = {c.key: r for c, r in ((p.candidate, p.reason) for p in pruned)}
     assert any("workers (1) is not divisible by tp (2)" in r for r in reasons.values())
     assert "tp-w4-dp2xpp1-tp2-m1-b32" in {c.key for c in valid}
+    # FSDP with one shard per tensor-parallel group is tensor parallelism: one trial, not two.
+    assert reasons["fsdp-w2-dp1xpp1-tp2-m1-b32"] == "the same layout as tp-w2-dp1xpp1-tp2-m1-b32"
+    assert reasons["fsdp-w4-dp1xpp1-tp4-m1-b32"] == "the same layout as tp-w4-dp1xpp1-tp4-m1-b32"
 
 
 def test_context_and_sequence_parallel_layouts_are_searched_where_they_run():

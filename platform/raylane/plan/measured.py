@@ -8,14 +8,18 @@ sum of the same measured parts:
 
 * compute: blocks (forward+backward, plus a recomputed forward with activation
   checkpointing) at the rows each worker computes, the ends (embeddings, head, loss), and the
-  optimizer step over the parameters the worker holds;
+  optimizer step over the parameters the worker holds. A tensor-parallel or FSDP layout's
+  blocks are the profile's own timing of a block as that layout wraps it
+  (`raylane.plan.profile_layouts`: DTensor's dispatch, FSDP's hooks and the collectives
+  inside forward and backward included), where the profile has one of its shape;
 * the pipeline schedule: m micro-batches through the slowest stage plus one pass of the
   others (the fill and drain bubble), and the activation sends between stages;
 * exposed communication: the data-parallel gradient all-reduce (scaled by the compression's
   byte ratio; every `period` steps for local SGD; one reduce-scatter and two all-gathers for
-  FSDP), tensor parallelism's all-reduces of each block's activations (sequence parallelism's
-  reduce-scatter + all-gather move the same bytes: the same time), and a parameter server's
-  gradient push and weight pull for async / ssp;
+  FSDP, only the ends' when the blocks' are in their profiled time), tensor parallelism's
+  all-reduces of each block's activations where the block was not profiled wrapped (sequence
+  parallelism's reduce-scatter + all-gather move the same bytes: the same time), and for
+  async / ssp a parameter server's round trip as profiled (every worker pushing at once);
 * the ring (context parallelism, its own part of the split): per attention layer, cp - 1
   key/value blocks forward and twice that backward, each a point-to-point transfer (the
   profile's `p2p` fit) that overlaps one ring step's attention compute and counts where it
@@ -51,6 +55,7 @@ from dataclasses import dataclass
 
 from raylane.config import RaylaneConfig
 from raylane.config.dims import ParallelDims
+from raylane.plan.profile_layouts import wrap_name
 from raylane.plan.ring import attention_core_share, exposed_ring_s, kv_block_bytes, ring_passes
 
 _FP32 = 4  # bytes of an activation or gradient element
@@ -98,12 +103,12 @@ class LocalPrediction:
 
 
 def _fit(fit: dict, x: float) -> float:
-    """A profiled compute fit (`raylane.plan.profile.ComputeFit`) at `x` rows."""
+    """A profiled compute fit (`raylane.plan.fits.ComputeFit`) at `x` rows."""
     return fit["fixed_s"] + fit["per_row_s"] * x
 
 
 def _link(fit: dict | None, nbytes: float) -> float:
-    """A profiled link fit (`raylane.plan.profile.LinkFit`) for `nbytes`; no link costs 0."""
+    """A profiled link fit (`raylane.plan.fits.LinkFit`) for `nbytes`; no link costs 0."""
     if fit is None:
         return 0.0
     return fit["alpha_s"] + fit["beta_s_per_byte"] * nbytes
@@ -177,6 +182,9 @@ class _Shape:
     stage_layers: float
     params_held: float
     activation_bytes: float  # one block's input for `rows` rows
+    #: The profile's fit of a block as this layout wraps it (`raylane.plan.profile_layouts`),
+    #: collectives inside forward and backward included; None: the plain block's fits.
+    wrapped: dict | None = None
 
     @classmethod
     def of(cls, profile: dict, cfg: RaylaneConfig) -> _Shape:
@@ -195,7 +203,16 @@ class _Shape:
             sequence_parallel=dims.sequence_parallel, pipelined=dims.pp_enabled, micro=micro,
             rows=rows, tokens=tokens, stage_layers=model.n_layers / pp, params_held=params_held,
             activation_bytes=rows * tokens * model.d_model * _FP32,
+            wrapped=_wrapped_fit(_level(profile, par.workers), dims),
         )  # fmt: skip
+
+
+def _wrapped_fit(level: dict, dims: ParallelDims) -> dict | None:
+    """The profiled block of this layout's shape (`raylane.plan.profile_layouts`): tensor
+    parallel over 2 workers, FSDP, or both, with every worker of the level computing; None for
+    other layouts and for profiles without it."""
+    name = wrap_name(dims)
+    return (level.get("wrapped") or {}).get(name) if name else None
 
 
 def _compute_parts(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> dict[str, float]:
@@ -205,6 +222,11 @@ def _compute_parts(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> dict[str
     recompute = cfg.training.activation_checkpointing
 
     def block_s(r: float) -> float:
+        if shape.wrapped is not None:  # as the layout runs it, its collectives included
+            seconds = _fit(shape.wrapped, r)
+            if recompute:
+                seconds += _fit(level["block_forward"], r / shape.tp)
+            return seconds
         # Tensor and context parallelism split the per-row work; each op's fixed cost stays.
         seconds = _fit(level["block"], r / (shape.tp * shape.cp))
         if recompute:
@@ -213,7 +235,7 @@ def _compute_parts(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> dict[str
 
     optimizer = level["optimizer_s_per_param"] * shape.params_held
     tp_comm = 0.0
-    if shape.tp > 1:
+    if shape.tp > 1 and shape.wrapped is None:
         per_block = 6 if recompute else 4
         tp_comm = (
             shape.stage_layers * per_block * _link(level.get("all_reduce"), shape.activation_bytes)
@@ -251,11 +273,15 @@ def _sync_comm(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
     skew = max(ddp_wait - _link(level.get("all_reduce"), model_bytes), 0.0)
     dims = ParallelDims.from_parallelism(par)
     if dims.sync.kind == "parameter_server":
+        if "ps_push_s" in level:  # the shard's own round trip, every worker pushing at once
+            return level["ps_push_s"]
         # Push the gradient, pull the weights: two point-to-point transfers of the model.
         return 2 * _link(profile.get("p2p"), grad_bytes)
     if dims.sync.kind == "periodic_average":
         return (_link(ring, grad_bytes) + skew) / dims.sync.period
     if dims.fsdp_enabled:  # reduce-scatter (fp32), the all-gathers forward and backward
+        if shape.wrapped is not None:  # the blocks' are in their profiled time: the ends'
+            grad_bytes = _FP32 * ends_params
         gathered = grad_bytes / 2 if cfg.training.precision == "bf16" else grad_bytes
         return 0.5 * _link(ring, grad_bytes) + _link(ring, gathered) + skew
     if dims.tp_enabled or dims.pp_enabled or dims.cp_enabled:  # averaged after backward

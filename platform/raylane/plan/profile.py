@@ -13,7 +13,11 @@ sharing a node's cores are measured sharing them:
   parallel strategy times it: what backward waits for after its last gradient bucket is ready
   (the all-reduce, the hook, and the workers' skew), at a few row counts;
 * torch's pipeline schedules (GPipe and 1F1B) between ranks 0 and 1 on a one-layer stage at a
-  few micro-batch counts: the schedule's own cost per micro-batch (sends, receives, its Python).
+  few micro-batch counts: the schedule's own cost per micro-batch (sends, receives, its Python);
+* one block as each sharded layout of `k` workers wraps it (tensor parallel, FSDP, both), built
+  by the runs' own `parallelize` and timed at the same row counts (`raylane.plan.profile_layouts`);
+* a push of the model's gradients to a parameter shard (the async and ssp strategies' own
+  actor) and the parameters' return, all `k` workers pushing at once.
 
 Once, at full concurrency: a point-to-point exchange between ranks 0 and 1 (alpha + beta), the
 bytes autograd saves per row in a block and in the ends with the loss (fp32 logits and their
@@ -26,8 +30,17 @@ import resource
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
+
+from raylane.plan.fits import block_train_flops, compute_fit, link_fit
+from raylane.plan.profile_layouts import (
+    build_meshes,
+    start_param_server,
+    time_param_server,
+    time_schedules,
+    time_wrapped_blocks,
+)
 
 ROWS = (2, 8, 32)
 MICROBATCHES = (2, 8)
@@ -38,44 +51,18 @@ WARMUP = 3
 SETTLE_S = 3.0
 
 
-@dataclass(frozen=True)
-class LinkFit:
-    """Seconds to move `nbytes` = alpha + beta * nbytes (ring steps included for collectives)."""
-
-    alpha_s: float
-    beta_s_per_byte: float
-
-    @property
-    def gbps(self) -> float:
-        return 1 / self.beta_s_per_byte / 1e9 if self.beta_s_per_byte > 0 else float("inf")
-
-
-@dataclass(frozen=True)
-class ComputeFit:
-    """Seconds for `rows` = fixed_s + per_row_s * rows (the fixed part: per-op overhead)."""
-
-    fixed_s: float
-    per_row_s: float
-
-
-def block_train_flops(rows: int, seq: int, width: int) -> float:
-    """Forward and backward FLOPs of one transformer block (Megatron's formula)."""
-    return 3 * 24 * rows * seq * width * width * (1 + seq / (6 * width))
-
-
-def fit_line(sizes: list[float], seconds: list[float]) -> tuple[float, float]:
-    """Least-squares intercept and slope, both clamped at zero."""
-    import numpy as np
-
-    slope, intercept = np.polyfit(np.asarray(sizes, float), np.asarray(seconds, float), 1)
-    return max(float(intercept), 0.0), max(float(slope), 0.0)
-
-
-def _median_s(step: Callable[[], None], repeats: int = REPEATS) -> float:
+def _median_s(
+    step: Callable[[], None], repeats: int = REPEATS, sync: Callable[[], None] | None = None
+) -> float:
+    """Median seconds of `step`. With `sync` (a barrier of the workers measuring together),
+    every repetition starts on all of them at once, as a run's steps do, so that each is timed
+    sharing the cores with the others' same work rather than with whatever they are at."""
     for _ in range(WARMUP):
         step()
     times = []
     for _ in range(repeats):
+        if sync is not None:
+            sync()
         started = time.perf_counter()
         step()
         times.append(time.perf_counter() - started)
@@ -90,7 +77,7 @@ def _parts(cfg):
     return Block(m.d_model, m.n_heads), GPT(m.num_classes, m.input_dim, m.d_model, m.n_heads, 0)
 
 
-def _time_compute(cfg) -> dict[str, dict[int, float]]:
+def _time_compute(cfg, sync=None) -> dict[str, dict[int, float]]:
     import torch
 
     from raylane.train.loop import cross_entropy
@@ -112,13 +99,13 @@ def _time_compute(cfg) -> dict[str, dict[int, float]]:
         def train_ends(tokens=tokens):
             cross_entropy(ends(tokens), tokens).backward()
 
-        found["block"][rows] = _median_s(train_block)
-        found["block_forward"][rows] = _median_s(forward_block)
-        found["ends"][rows] = _median_s(train_ends)
+        found["block"][rows] = _median_s(train_block, sync=sync)
+        found["block_forward"][rows] = _median_s(forward_block, sync=sync)
+        found["ends"][rows] = _median_s(train_ends, sync=sync)
     return found
 
 
-def _time_optimizer(cfg) -> float:
+def _time_optimizer(cfg, sync=None) -> float:
     """Seconds per parameter of one optimizer step (timed with a refill of the gradients)."""
     import torch
 
@@ -137,7 +124,7 @@ def _time_optimizer(cfg) -> float:
         for p in params:
             p.grad.normal_()
 
-    return _median_s(step) / sum(p.numel() for p in params)
+    return _median_s(step, sync=sync) / sum(p.numel() for p in params)
 
 
 def _saved_bytes_per_row(module, make_input) -> float:
@@ -214,38 +201,6 @@ def _time_ddp(cfg, group) -> dict[int, float]:
     return found
 
 
-def _time_schedules(cfg, rank: int, group) -> dict[str, dict[int, float]]:
-    """Seconds per step of each pipeline schedule over two one-layer stages (ranks 0, 1):
-    almost all of it is the schedule's own cost."""
-    import torch
-    from torch.distributed.pipelining import PipelineStage
-
-    from raylane.parallel.pipeline import SCHEDULES
-
-    width = cfg.model.d_model
-    stage = PipelineStage(torch.nn.Linear(width, width), rank, 2, torch.device("cpu"), group=group)
-    found: dict[str, dict[int, float]] = {}
-    for name, schedule_cls in SCHEDULES.items():
-        found[name] = {}
-        for micro in MICROBATCHES:
-            schedule = schedule_cls(
-                stage,
-                n_microbatches=micro,
-                loss_fn=lambda out, target: (out - target).pow(2).mean(),
-            )
-            rows = SCHEDULE_ROWS * micro
-            inputs = torch.randn(rows, cfg.model.input_dim, width)
-
-            def step(schedule=schedule, inputs=inputs):
-                if rank == 0:
-                    schedule.step(inputs)
-                else:
-                    schedule.step(target=torch.zeros_like(inputs))
-
-            found[name][micro] = _median_s(step)
-    return found
-
-
 def _time_p2p(rank: int) -> dict[int, float]:
     import torch
     import torch.distributed as dist
@@ -292,16 +247,24 @@ def profile_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     # the store, so that they leave the cores to the ranks measuring.
     groups = {k: dist.new_group(list(range(k))) for k in levels if distributed and k > 1}
     pair = groups.get(2) or (dist.new_group([0, 1]) if distributed else None)
+    meshes = build_meshes(world, levels) if distributed else {}
+    shard = start_param_server(cfg, rank, distributed)
     mine: dict[str, Any] = {"baseline_rss_mb": baseline_rss_mb, "levels": {}}
     for k in levels:
         if rank < k:
             torch.set_num_threads(worker_threads(cfg, k))
-            level = {"compute": _time_compute(cfg), "optimizer": _time_optimizer(cfg)}
+            sync = _barrier(groups.get(k))
+            level = {"compute": _time_compute(cfg, sync), "optimizer": _time_optimizer(cfg, sync)}
             if k in groups:
                 level["all_reduce"] = _time_collectives(groups[k])
                 level["ddp"] = _time_ddp(cfg, groups[k])
+            level["ps_push"] = time_param_server(cfg, shard, _median_s, sync)
+            if meshes.get(k):  # blocks as the sharded layouts of k workers wrap them
+                level["wrapped"] = time_wrapped_blocks(cfg, meshes[k], ROWS, _median_s, sync)
             if k >= 2 and rank < 2:
-                level["schedules"] = _time_schedules(cfg, rank, pair)
+                level["schedules"] = time_schedules(
+                    cfg, rank, pair, MICROBATCHES, SCHEDULE_ROWS, _median_s
+                )
             mine["levels"][k] = level
         _wait_for_level(rank, k, distributed)
     torch.set_num_threads(worker_threads(cfg, world))
@@ -315,6 +278,15 @@ def profile_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     if rank != 0:
         return None
     return summarise(gathered, cfg)
+
+
+def _barrier(group) -> Callable[[], None] | None:
+    """A barrier of `group` (None: nothing to wait for)."""
+    if group is None:
+        return None
+    import torch.distributed as dist
+
+    return lambda: dist.barrier(group=group)
 
 
 def _wait_for_level(rank: int, k: int, distributed: bool) -> None:
@@ -347,15 +319,22 @@ def summarise(records: list[dict], cfg) -> dict[str, Any]:
             by_rows = {
                 rows: statistics.median(x["compute"][part][rows] for x in measured) for rows in ROWS
             }
-            level[part] = asdict(_compute_fit(by_rows))
+            level[part] = asdict(compute_fit(by_rows))
             level[f"{part}_s"] = {str(rows): seconds for rows, seconds in by_rows.items()}
         level["optimizer_s_per_param"] = statistics.median(x["optimizer"] for x in measured)
+        if "ps_push" in measured[0]:
+            level["ps_push_s"] = statistics.median(x["ps_push"] for x in measured)
         if "all_reduce" in measured[0]:
-            level["all_reduce"] = asdict(_link_fit(_median_by_size(measured, "all_reduce")))
-            level["ddp_wait"] = asdict(_compute_fit(_median_by_size(measured, "ddp")))
+            level["all_reduce"] = asdict(link_fit(_median_by_size(measured, "all_reduce")))
+            level["ddp_wait"] = asdict(compute_fit(_median_by_size(measured, "ddp")))
+        if "wrapped" in measured[0]:
+            level["wrapped"] = {
+                name: asdict(compute_fit(_median_by_rows(measured, "wrapped", name)))
+                for name in measured[0]["wrapped"]
+            }
         if "schedules" in measured[0]:
             level["schedules"] = {
-                name: asdict(_compute_fit(by_micro))
+                name: asdict(compute_fit(by_micro))
                 for name, by_micro in measured[0]["schedules"].items()
             }
         levels[str(k)] = level  # JSON keys
@@ -382,19 +361,13 @@ def summarise(records: list[dict], cfg) -> dict[str, Any]:
         "baseline_rss_mb": statistics.median(r["baseline_rss_mb"] for r in records),
         "block_flops_per_s": block_train_flops(largest, m.input_dim, m.d_model) / block_s,
         "all_reduce": top.get("all_reduce"),
-        "p2p": asdict(_link_fit(_median_by_size(records, "p2p"))) if "p2p" in records[0] else None,
+        "p2p": asdict(link_fit(_median_by_size(records, "p2p"))) if "p2p" in records[0] else None,
     }
+
+
+def _median_by_rows(measured: list[dict], key: str, name: str) -> dict[int, float]:
+    return {rows: statistics.median(x[key][name][rows] for x in measured) for rows in ROWS}
 
 
 def _median_by_size(records: list[dict], key: str) -> dict[int, float]:
     return {size: statistics.median(r[key][size] for r in records) for size in records[0][key]}
-
-
-def _compute_fit(by_rows: dict[int, float]) -> ComputeFit:
-    rows = sorted(by_rows)
-    return ComputeFit(*fit_line(rows, [by_rows[r] for r in rows]))
-
-
-def _link_fit(by_size: dict[int, float]) -> LinkFit:
-    sizes = sorted(by_size)
-    return LinkFit(*fit_line(sizes, [by_size[s] for s in sizes]))

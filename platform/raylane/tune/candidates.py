@@ -119,7 +119,9 @@ def _combinations(space, extra_keys: list[str]):
 
 
 def enumerate_candidates(spec: TuneSpec) -> tuple[list[Candidate], list[Pruned]]:
-    """Every combination of the space, split into launchable candidates and pruned ones."""
+    """Every combination of the space, split into launchable candidates and pruned ones. Two
+    names for one layout (FSDP with one shard per tensor-parallel group is 'tp') are one trial,
+    under the layout's own name (`ParallelDims.preset_name`)."""
     space, budget = spec.search, spec.constraints
     valid: list[Candidate] = []
     pruned: list[Pruned] = []
@@ -152,7 +154,31 @@ def enumerate_candidates(spec: TuneSpec) -> tuple[list[Candidate], list[Pruned]]
             pruned.append(Pruned(candidate, reason))
         else:
             valid.append(candidate)
-    return valid, pruned
+    return _one_per_layout(spec, valid, pruned)
+
+
+def _one_per_layout(
+    spec: TuneSpec, valid: list[Candidate], pruned: list[Pruned]
+) -> tuple[list[Candidate], list[Pruned]]:
+    """Keep one candidate of those that train the same thing: the one named as its layout is
+    (else the first), the others pruned naming it."""
+    from raylane.config.dims import ParallelDims
+
+    groups: dict[tuple, list[Candidate]] = {}
+    for candidate in valid:
+        dims = ParallelDims.from_parallelism(trial_config(spec, candidate).parallelism)
+        rest = {k: v for k, v in candidate.overrides.items() if k not in _DEGREE_KEYS}
+        groups.setdefault((dims, repr(sorted(rest.items()))), []).append(candidate)
+    kept = {}
+    for (dims, _), same in groups.items():
+        named = [c for c in same if c.overrides["parallelism.strategy"] == dims.preset_name]
+        keep = (named or same)[0]
+        kept[keep.key] = keep
+        pruned += [Pruned(c, f"the same layout as {keep.key}") for c in same if c is not keep]
+    return [c for c in valid if c.key in kept], pruned
+
+
+_DEGREE_KEYS = {f"parallelism.{name}" for name in ("strategy", "dp", "pp", "tp", "cp")}
 
 
 def prune_reason(spec: TuneSpec, candidate: Candidate) -> str | None:

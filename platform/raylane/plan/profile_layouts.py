@@ -1,0 +1,200 @@
+"""The strategies' own code, timed inside the profile job: a transformer block as each sharded
+layout wraps it, a parameter server's round trip, and the pipeline schedules.
+
+A plain block's fits at rows / tp plus the measured collectives predict tensor-parallel and
+FSDP steps several times too fast on small models: DTensor's per-op dispatch, FSDP2's hooks,
+its all-gathers before forward and backward and its reduce-scatter after, and a tensor-parallel
+block's all-reduces all run inside forward and backward, and each has a fixed cost the plain
+block does not pay. So the profile also builds one block the way `raylane.parallel.parallelize`
+builds a run's blocks (the same function, on a mesh from the same `build_device_mesh`) and
+times its forward and backward at the same row counts:
+
+* ``tp2``: the block split over 2 workers by the GPT's plan;
+* ``fsdp<n>``: the block fully sharded over `n` workers (the level's `k`, and `k / 2` for a
+  pipeline's stages);
+* ``fsdp<n>_tp2``: the block split over 2 workers, then sharded over `n = k / 2` such pairs.
+
+At a level of `k` workers, every one of the first `k` measures at once, in groups of the
+layout's shape, so that a 4-worker level has two tensor-parallel pairs computing side by side
+as a 2 x tp2 run has. `raylane.plan.measured` uses these fits in place of the plain block's
+for the layouts they describe.
+
+The async and ssp strategies' synchronisation is a push of the gradients to a Ray actor that
+applies them one worker at a time and returns the parameters: its cost is Ray's call, the
+arrays' trip through the object store and the queue behind the other workers' pushes, none of
+which a point-to-point link fit sees. So the profile starts the strategies' own parameter shard
+and times a push from every worker of a level at once. The pipeline schedules are timed as
+before, on torch's own schedules over a one-layer stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from raylane.config.dims import ParallelDims
+
+if TYPE_CHECKING:
+    from raylane.parallel.mesh import ParallelMesh
+
+#: The tensor-parallel degree the profile measures (the degree Tune searches by default).
+TP = 2
+
+
+def wrap_dims(world: int, k: int) -> dict[str, ParallelDims]:
+    """The layouts whose blocks a level of `k` of `world` workers times, by name (`wrap_name`):
+    FSDP over all `k` and over `k / 2` (a pipeline's stages of `k / 2` shards), tensor parallel
+    over 2, and FSDP over `k / 2` pairs of those. Their groups cover the first `k` ranks; the
+    rest of the world sits in replicas of the same shape (every rank takes part in building a
+    mesh; only the first `k` time)."""
+    if k < 2 or world % k:
+        return {}
+    shape: list[ParallelDims] = [ParallelDims(dp_shard=k)]
+    if k % TP == 0:
+        shape.append(ParallelDims(tp=TP))
+        if k > TP:
+            shape += [ParallelDims(dp_shard=k // TP), ParallelDims(dp_shard=k // TP, tp=TP)]
+    return {wrap_name(dims): replace(dims, dp_replicate=world // dims.world_size) for dims in shape}
+
+
+def wrap_name(dims: ParallelDims) -> str | None:
+    """The profile's name for the block of a layout with these degrees ('fsdp4', 'tp2',
+    'fsdp2_tp2'), or None where a block is not wrapped (data parallel, context parallel)."""
+    if dims.cp_enabled or dims.sequence_parallel:
+        return None
+    parts = [f"fsdp{dims.dp_shard}"] if dims.fsdp_enabled else []
+    parts += [f"tp{dims.tp}"] if dims.tp_enabled else []
+    return "_".join(parts) or None
+
+
+def build_meshes(world: int, levels: list[int]) -> dict[int, dict[str, ParallelMesh]]:
+    """Every level's meshes, built on every rank up front (creating a mesh is collective)."""
+    from raylane.parallel.mesh import build_device_mesh
+
+    built: dict[ParallelDims, ParallelMesh] = {}
+    meshes: dict[int, dict[str, ParallelMesh]] = {}
+    for k in levels:
+        meshes[k] = {}
+        for name, dims in wrap_dims(world, k).items():
+            if dims not in built:
+                built[dims] = build_device_mesh(dims, "cpu")
+            meshes[k][name] = built[dims]
+    return meshes
+
+
+def _wrapped_block(cfg, mesh: ParallelMesh):
+    """One block of the config's GPT inside a module `parallelize` accepts, parallelized by the
+    layout of `mesh` exactly as a run's blocks are (FSDP's root unit included)."""
+    import torch
+    from torch import nn
+
+    from raylane.models.gpt import Block
+    from raylane.parallel.parallelize import parallelize
+
+    class OneBlock(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleDict({"0": Block(cfg.model.d_model, cfg.model.n_heads)})
+
+        def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+            return self.blocks["0"](hidden)
+
+    torch.manual_seed(cfg.training.seed)  # every worker of a group starts from the same block
+    return parallelize(OneBlock(), mesh, activation_checkpointing=False)
+
+
+def time_wrapped_blocks(
+    cfg, meshes: dict[str, ParallelMesh], rows_list, median_s, sync=None
+) -> dict:
+    """Forward + backward seconds of each layout's block at each row count (whole rows: a
+    tensor-parallel pair computes the same rows, FSDP's shards each their own), every
+    repetition started on all the level's workers at once (`sync`)."""
+    import torch
+
+    m = cfg.model
+    found: dict[str, dict[int, float]] = {}
+    for name, mesh in meshes.items():
+        block = _wrapped_block(cfg, mesh)
+        found[name] = {}
+        for rows in rows_list:
+            hidden = torch.randn(rows, m.input_dim, m.d_model, requires_grad=True)
+
+            def train_block(block=block, hidden=hidden):
+                block(hidden).sum().backward()
+
+            found[name][rows] = median_s(train_block, sync=sync)
+    return found
+
+
+def start_param_server(cfg, rank: int, distributed: bool):
+    """One parameter shard holding the whole model, as an async or ssp run starts it (rank 0
+    starts it; every rank gets its handle: collective). Rank 0's handle keeps it alive."""
+    import ray
+    import torch.distributed as dist
+
+    from raylane.models import build_model
+    from raylane.parallel.param_server import ParameterShard
+
+    handle = [None]
+    if rank == 0:
+        training = cfg.training
+        params = [p.detach().numpy() for p in build_model(cfg.model).parameters()]
+        actor = ParameterShard.remote(
+            params, training.lr, training.weight_decay, False, training.optimizer
+        )
+        ray.get(actor.__ray_ready__.remote())
+        handle = [actor]
+    if distributed:
+        dist.broadcast_object_list(handle, src=0)
+    return handle[0]
+
+
+def time_param_server(cfg, shard, median_s, sync=None) -> float:
+    """Seconds of one worker's push of the model's gradients and the parameters' return, with
+    every worker of the level pushing at once (the shard applies them one after another)."""
+    import numpy as np
+    import ray
+
+    from raylane.models import build_model
+
+    grads = [np.ones(tuple(p.shape), np.float32) for p in build_model(cfg.model).parameters()]
+    version = [0]
+
+    def push():
+        _, version[0] = ray.get(shard.push.remote(grads, version[0]))
+
+    return median_s(push, sync=sync)
+
+
+def time_schedules(
+    cfg, rank: int, group, microbatches, rows_per_micro: int, median_s
+) -> dict[str, dict[int, float]]:
+    """Seconds per step of each pipeline schedule over two one-layer stages (ranks 0, 1):
+    almost all of it is the schedule's own cost."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage
+
+    from raylane.parallel.pipeline import SCHEDULES
+
+    width = cfg.model.d_model
+    stage = PipelineStage(torch.nn.Linear(width, width), rank, 2, torch.device("cpu"), group=group)
+    found: dict[str, dict[int, float]] = {}
+    for name, schedule_cls in SCHEDULES.items():
+        found[name] = {}
+        for micro in microbatches:
+            schedule = schedule_cls(
+                stage,
+                n_microbatches=micro,
+                loss_fn=lambda out, target: (out - target).pow(2).mean(),
+            )
+            rows = rows_per_micro * micro
+            inputs = torch.randn(rows, cfg.model.input_dim, width)
+
+            def step(schedule=schedule, inputs=inputs):
+                if rank == 0:
+                    schedule.step(inputs)
+                else:
+                    schedule.step(target=torch.zeros_like(inputs))
+
+            found[name][micro] = median_s(step)
+    return found

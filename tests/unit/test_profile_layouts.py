@@ -1,0 +1,27 @@
+"""Which blocks the profile times as the sharded layouts wrap them, and on which workers."""
+
+from raylane.config.dims import ParallelDims
+from raylane.plan.profile_layouts import wrap_dims, wrap_name
+
+
+def test_a_level_times_the_sharded_blocks_of_its_layouts_on_its_first_workers():
+    assert set(wrap_dims(4, 4)) == {"fsdp4", "fsdp2", "tp2", "fsdp2_tp2"}
+    assert set(wrap_dims(4, 2)) == {"fsdp2", "tp2"}
+    assert wrap_dims(4, 1) == {} and wrap_dims(4, 3) == {}
+    for k in (2, 4):
+        for name, dims in wrap_dims(4, k).items():
+            assert dims.world_size == 4  # every rank builds the mesh
+            assert wrap_name(dims) == name
+            # The groups the first k ranks form are complete among themselves: they sit in
+            # the first replica(s) of the layout's shape.
+            replicas = {dims.coordinates(rank)["dp_replicate"] for rank in range(k)}
+            per_replica = dims.world_size // dims.dp_replicate
+            assert len(replicas) * per_replica == k
+
+
+def test_a_layout_names_the_block_it_is_predicted_from():
+    assert wrap_name(ParallelDims(dp_shard=2, pp=2)) == "fsdp2"  # pipeline stages, sharded
+    assert wrap_name(ParallelDims(dp_replicate=2, tp=2)) == "tp2"
+    assert wrap_name(ParallelDims(dp_shard=2, tp=2)) == "fsdp2_tp2"
+    assert wrap_name(ParallelDims(dp_replicate=4)) is None  # data parallel: the plain block
+    assert wrap_name(ParallelDims(dp_replicate=2, tp=2, cp=2)) is None  # ring attention
