@@ -187,35 +187,40 @@ def arrivals(requests: int, rate: float, seed: int, longest: int) -> list[tuple[
 
 def serve_trace(model, trace, slots: int, continuous: bool) -> dict:
     """Replay `trace` in real time on one engine. Continuous: waiting requests are admitted
-    at every step. Static (request-level): a batch forms only once the last one has ended."""
+    at every step and leave the batch when done. Static (request-level, as `@serve.batch`
+    hands a batched `generate()` whole requests): once the engine is idle, up to `slots` of the
+    requests that arrived form a batch that decodes until its longest member ends, every row
+    computing to the end (a finished request's later tokens are padding: not counted)."""
     from collections import deque
 
     engine = GenerationEngine(model, max_num_seqs=slots)
-    pending = deque(trace)
+    pending, arrived = deque(trace), deque()
     start = time.perf_counter()
-    ttft, sequences, submitted = [], [], {}
-    while pending or engine.busy:
+    ttft, useful, submitted = [], {}, {}
+    while pending or arrived or engine.busy:
         now = time.perf_counter() - start
         while pending and pending[0][0] <= now:
-            at, length = pending.popleft()
-            sequence = engine.add(list(PROMPT), SamplingParams(max_tokens=length, temperature=0))
-            sequences.append(sequence)
-            submitted[sequence.id] = at
+            arrived.append(pending.popleft())
+        if arrived and (continuous or not engine.busy):
+            batch = [arrived.popleft() for _ in range(len(arrived) if continuous else slots)
+                     if arrived]  # fmt: skip
+            longest = max(length for _, length in batch)
+            for at, length in batch:
+                tokens = length if continuous else longest
+                sequence = engine.add(
+                    list(PROMPT), SamplingParams(max_tokens=tokens, temperature=0)
+                )
+                submitted[sequence.id], useful[sequence.id] = at, length
         if not engine.busy:
             time.sleep(min(0.01, pending[0][0] - now))
             continue
-        if continuous or not engine.running:
-            events = engine.step()
-        else:  # the running batch finishes before anyone joins it
-            held, engine.waiting = engine.waiting, deque()
-            events = engine.step()
-            engine.waiting = held
+        events = engine.step()
         clock = time.perf_counter() - start
         ttft += [clock - submitted[e.sequence.id] for e in events if len(e.sequence.output) == 1]
     elapsed = time.perf_counter() - start
     ttft.sort()
     return {
-        "tokens_per_s": sum(len(s.output) for s in sequences) / elapsed,
+        "tokens_per_s": sum(useful.values()) / elapsed,
         "ttft_p50_s": ttft[len(ttft) // 2],
         "ttft_p99_s": ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))],
         "elapsed_s": elapsed,

@@ -181,6 +181,7 @@ class _Shape:
     tokens: float  # of each row, on this worker: T/cp
     stage_layers: float
     params_held: float
+    block_params_held: float  # of one block
     activation_bytes: float  # one block's input for `rows` rows
     #: The profile's fit of a block as this layout wraps it (`raylane.plan.profile_layouts`),
     #: collectives inside forward and backward included; None: the plain block's fits.
@@ -195,13 +196,16 @@ class _Shape:
         rows = cfg.training.batch_size / micro
         block_params, ends_params = profile["block_params"], profile["ends_params"]
         params_held = (model.n_layers / pp) * block_params / tp + ends_params / pp
+        block_held = block_params / tp
         if dims.fsdp_enabled:  # the stage's (or whole model's) share, over its dp shards
             params_held /= dp
+            block_held /= dp
         tokens = model.input_dim / dims.cp
         return cls(
             level=_level(profile, par.workers), pp=pp, tp=tp, dp=dp, cp=dims.cp,
             sequence_parallel=dims.sequence_parallel, pipelined=dims.pp_enabled, micro=micro,
             rows=rows, tokens=tokens, stage_layers=model.n_layers / pp, params_held=params_held,
+            block_params_held=block_held,
             activation_bytes=rows * tokens * model.d_model * _FP32,
             wrapped=_wrapped_fit(_level(profile, par.workers), dims),
         )  # fmt: skip
@@ -221,19 +225,22 @@ def _compute_parts(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> dict[str
     level, rows = shape.level, shape.rows
     recompute = cfg.training.activation_checkpointing
 
-    def block_s(r: float) -> float:
-        if shape.wrapped is not None:  # as the layout runs it, its collectives included
-            seconds = _fit(shape.wrapped, r)
-            if recompute:
-                seconds += _fit(level["block_forward"], r / shape.tp)
-            return seconds
+    def plain_s(r: float) -> float:
         # Tensor and context parallelism split the per-row work; each op's fixed cost stays.
         seconds = _fit(level["block"], r / (shape.tp * shape.cp))
         if recompute:
             seconds += _fit(level["block_forward"], r / (shape.tp * shape.cp))
         return seconds
 
-    optimizer = level["optimizer_s_per_param"] * shape.params_held
+    def block_s(r: float) -> float:
+        if shape.wrapped is None:
+            return plain_s(r)
+        seconds = _fit(shape.wrapped, r)  # as the layout runs it, its collectives included
+        if recompute:
+            seconds += _fit(level["block_forward"], r / shape.tp)
+        return seconds
+
+    optimizer = _optimizer_s(level, shape)
     tp_comm = 0.0
     if shape.tp > 1 and shape.wrapped is None:
         per_block = 6 if recompute else 4
@@ -256,6 +263,17 @@ def _compute_parts(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> dict[str
         "bubble": (pp - 1) * first,
         "comm": overhead + micro * send,
     }
+
+
+def _optimizer_s(level: dict, shape: _Shape) -> float:
+    """The optimizer step over the parameters this worker holds: its blocks' as the profile
+    timed them wrapped (DTensors, where it did), the rest per parameter."""
+    per_param = level["optimizer_s_per_param"]
+    wrapped = (shape.wrapped or {}).get("optimizer_s")
+    if wrapped is None:
+        return per_param * shape.params_held
+    blocks_held = shape.stage_layers * shape.block_params_held
+    return shape.stage_layers * wrapped + per_param * max(shape.params_held - blocks_held, 0.0)
 
 
 def _sync_comm(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:

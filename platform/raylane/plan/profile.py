@@ -260,7 +260,9 @@ def profile_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
                 level["ddp"] = _time_ddp(cfg, groups[k])
             level["ps_push"] = time_param_server(cfg, shard, _median_s, sync)
             if meshes.get(k):  # blocks as the sharded layouts of k workers wrap them
-                level["wrapped"] = time_wrapped_blocks(cfg, meshes[k], ROWS, _median_s, sync)
+                level["wrapped"], level["wrapped_optimizer"] = time_wrapped_blocks(
+                    cfg, meshes[k], ROWS, _median_s, sync
+                )
             if k >= 2 and rank < 2:
                 level["schedules"] = time_schedules(
                     cfg, rank, pair, MICROBATCHES, SCHEDULE_ROWS, _median_s
@@ -329,7 +331,12 @@ def summarise(records: list[dict], cfg) -> dict[str, Any]:
             level["ddp_wait"] = asdict(compute_fit(_median_by_size(measured, "ddp")))
         if "wrapped" in measured[0]:
             level["wrapped"] = {
-                name: asdict(compute_fit(_median_by_rows(measured, "wrapped", name)))
+                name: {
+                    **asdict(compute_fit(_median_by_rows(measured, "wrapped", name))),
+                    "optimizer_s": statistics.median(
+                        x["wrapped_optimizer"][name] for x in measured
+                    ),
+                }
                 for name in measured[0]["wrapped"]
             }
         if "schedules" in measured[0]:

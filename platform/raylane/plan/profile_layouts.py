@@ -105,14 +105,19 @@ def _wrapped_block(cfg, mesh: ParallelMesh):
 
 def time_wrapped_blocks(
     cfg, meshes: dict[str, ParallelMesh], rows_list, median_s, sync=None
-) -> dict:
+) -> tuple[dict, dict]:
     """Forward + backward seconds of each layout's block at each row count (whole rows: a
     tensor-parallel pair computes the same rows, FSDP's shards each their own), every
-    repetition started on all the level's workers at once (`sync`)."""
+    repetition started on all the level's workers at once (`sync`); and the seconds of the
+    optimizer's step over each block's parameters as the layout holds them (DTensors: their
+    per-op dispatch is most of a small model's step)."""
     import torch
 
-    m = cfg.model
+    from raylane.models.optim import build_optimizer
+
+    m, training = cfg.model, cfg.training
     found: dict[str, dict[int, float]] = {}
+    optimizer_s: dict[str, float] = {}
     for name, mesh in meshes.items():
         block = _wrapped_block(cfg, mesh)
         found[name] = {}
@@ -123,7 +128,11 @@ def time_wrapped_blocks(
                 block(hidden).sum().backward()
 
             found[name][rows] = median_s(train_block, sync=sync)
-    return found
+        optimizer = build_optimizer(
+            list(block.parameters()), training.optimizer, training.lr, training.weight_decay
+        )
+        optimizer_s[name] = median_s(optimizer.step, sync=sync)  # the last backward's grads
+    return found, optimizer_s
 
 
 def start_param_server(cfg, rank: int, distributed: bool):

@@ -91,8 +91,6 @@ def resolve_base(
     from mlflow.tracking import MlflowClient
 
     from raylane.config.model_uri import parse_model_uri
-    from raylane.models import build_model
-    from raylane.models.adapters import AdapterTargetError, apply_lora
     from raylane.tracking.identity import weights_digest
     from raylane.tracking.registry import resolve_version
 
@@ -111,19 +109,7 @@ def resolve_base(
             f"{named}: tracking.registered_model is the base's own name; register the "
             "fine-tuned model under another (its versions would compete for the base's alias)"
         )
-    recorded = recorded_model_config(client, found.run_id)
-    differs = [k for k, v in recorded.model_dump().items() if getattr(cfg.model, k) != v]
-    if differs:
-        key = differs[0]
-        raise BaseModelError(
-            f"{named} has model.{key} {getattr(recorded, key)!r}; the config says "
-            f"{getattr(cfg.model, key)!r} (a fine-tuning config states the base's architecture)"
-        )
-    if finetune.method == "lora":
-        try:
-            apply_lora(build_model(cfg.model), finetune)
-        except AdapterTargetError as exc:
-            raise BaseModelError(str(exc)) from None
+    _check_architecture(cfg, recorded_model_config(client, found.run_id), named)
     state = registered_state(tracking_uri, ref.name, int(found.version))
     digest = weights_digest(state)
     if expect_digest and digest != expect_digest:
@@ -139,6 +125,26 @@ def resolve_base(
         model_id=_logged_model_id(found),
         state=state,
     )
+
+
+def _check_architecture(cfg: RaylaneConfig, recorded, named: str) -> None:
+    """Raise BaseModelError unless the config's model is the base's recorded one and (LoRA)
+    its target modules match layers of it."""
+    from raylane.models import build_model
+    from raylane.models.adapters import AdapterTargetError, apply_lora
+
+    differs = [k for k, v in recorded.model_dump().items() if getattr(cfg.model, k) != v]
+    if differs:
+        key = differs[0]
+        raise BaseModelError(
+            f"{named} has model.{key} {getattr(recorded, key)!r}; the config says "
+            f"{getattr(cfg.model, key)!r} (a fine-tuning config states the base's architecture)"
+        )
+    if cfg.finetune.method == "lora":
+        try:
+            apply_lora(build_model(cfg.model), cfg.finetune)
+        except AdapterTargetError as exc:
+            raise BaseModelError(str(exc)) from None
 
 
 def _logged_model_id(version) -> str | None:
