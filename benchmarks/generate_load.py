@@ -7,8 +7,9 @@
       identical under greedy decoding; `raylane_vs_hf_generate` (raylane tokens/s over HF's);
   (c) `--requests` requests arriving as a Poisson process (`--rate` per second) with output
       lengths drawn from 8-256 tokens, on one engine with `--slots` cache slots: request-level
-      batching (a batch forms from what is waiting and runs until its longest member ends, as
-      `@serve.batch` batches whole requests) against continuous batching (requests join and
+      batching (a batch forms from what is waiting and every row decodes until its longest
+      member ends, as a batched `generate()` behind `@serve.batch` runs whole requests; a
+      finished request's later tokens are padding) against continuous batching (requests join and
       leave between decode steps); throughput and p50/p99 time to first token;
       `continuous_vs_static`, `ttft_p99_ratio` (continuous over static);
   (d) int8 weights (torchao weight-only, `serving.quantization: int8`) against fp32: weight

@@ -320,3 +320,18 @@ def test_parameter_server_layouts_pay_the_profiled_round_trip():
     grad_bytes = 4 * (4 * 50_000 + 40_000)
     expected = 2 * (0.1 * MS + 0.3e-9 * grad_bytes)
     assert predict_config(PROFILE, ssp).parts["comm"] == pytest.approx(expected)
+
+
+def test_a_wrapped_tensor_parallel_block_recomputed_pays_the_recomputed_forwards_all_reduces():
+    tp = _cfg(
+        "parallelism.strategy=tp", "parallelism.pp=1", "parallelism.tp=2", "parallelism.dp=1",
+    )  # fmt: skip
+    recompute = _cfg(
+        "parallelism.strategy=tp", "parallelism.pp=1", "parallelism.tp=2", "parallelism.dp=1",
+        "training.activation_checkpointing=true",
+    )  # fmt: skip
+    plain, again = (predict_config(_wrapped_profile(), c) for c in (tp, recompute))
+    forward = (0.5 + 32 / 2 * 0.75 / 3) * MS  # the plain block's forward at half the rows
+    all_reduce = 1 * MS + 1e-9 * 32 * 64 * 64 * 4  # one block's activations
+    expected = 4 * (forward + 2 * all_reduce)
+    assert again.parts["compute"] - plain.parts["compute"] == pytest.approx(expected)

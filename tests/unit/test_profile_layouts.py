@@ -25,3 +25,7 @@ def test_a_layout_names_the_block_it_is_predicted_from():
     assert wrap_name(ParallelDims(dp_shard=2, tp=2)) == "fsdp2_tp2"
     assert wrap_name(ParallelDims(dp_replicate=4)) is None  # data parallel: the plain block
     assert wrap_name(ParallelDims(dp_replicate=2, tp=2, cp=2)) is None  # ring attention
+
+
+def test_a_model_whose_heads_do_not_split_in_two_is_not_timed_tensor_parallel():
+    assert set(wrap_dims(4, 4, n_heads=3)) == {"fsdp4", "fsdp2"}

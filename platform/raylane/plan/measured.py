@@ -242,8 +242,10 @@ def _compute_parts(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> dict[str
 
     optimizer = _optimizer_s(level, shape)
     tp_comm = 0.0
-    if shape.tp > 1 and shape.wrapped is None:
-        per_block = 6 if recompute else 4
+    if shape.tp > 1:
+        # Two all-reduces per block forward and two backward; the recomputed forward's two
+        # more. A wrapped block's profiled time holds the first four.
+        per_block = (0 if shape.wrapped is not None else 4) + (2 if recompute else 0)
         tp_comm = (
             shape.stage_layers * per_block * _link(level.get("all_reduce"), shape.activation_bytes)
         )

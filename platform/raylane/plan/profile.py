@@ -247,7 +247,7 @@ def profile_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     # the store, so that they leave the cores to the ranks measuring.
     groups = {k: dist.new_group(list(range(k))) for k in levels if distributed and k > 1}
     pair = groups.get(2) or (dist.new_group([0, 1]) if distributed else None)
-    meshes = build_meshes(world, levels) if distributed else {}
+    meshes = build_meshes(world, levels, cfg.model.n_heads) if distributed else {}
     shard = start_param_server(cfg, rank, distributed)
     mine: dict[str, Any] = {"baseline_rss_mb": baseline_rss_mb, "levels": {}}
     for k in levels:
@@ -313,38 +313,10 @@ def summarise(records: list[dict], cfg) -> dict[str, Any]:
     from raylane.train.loop import cross_entropy
 
     m = cfg.model
-    levels: dict[str, Any] = {}
-    for k in records[0]["levels"]:
-        measured = [r["levels"][k] for r in records if k in r["levels"]]
-        level: dict[str, Any] = {}
-        for part in ("block", "block_forward", "ends"):
-            by_rows = {
-                rows: statistics.median(x["compute"][part][rows] for x in measured) for rows in ROWS
-            }
-            level[part] = asdict(compute_fit(by_rows))
-            level[f"{part}_s"] = {str(rows): seconds for rows, seconds in by_rows.items()}
-        level["optimizer_s_per_param"] = statistics.median(x["optimizer"] for x in measured)
-        if "ps_push" in measured[0]:
-            level["ps_push_s"] = statistics.median(x["ps_push"] for x in measured)
-        if "all_reduce" in measured[0]:
-            level["all_reduce"] = asdict(link_fit(_median_by_size(measured, "all_reduce")))
-            level["ddp_wait"] = asdict(compute_fit(_median_by_size(measured, "ddp")))
-        if "wrapped" in measured[0]:
-            level["wrapped"] = {
-                name: {
-                    **asdict(compute_fit(_median_by_rows(measured, "wrapped", name))),
-                    "optimizer_s": statistics.median(
-                        x["wrapped_optimizer"][name] for x in measured
-                    ),
-                }
-                for name in measured[0]["wrapped"]
-            }
-        if "schedules" in measured[0]:
-            level["schedules"] = {
-                name: asdict(compute_fit(by_micro))
-                for name, by_micro in measured[0]["schedules"].items()
-            }
-        levels[str(k)] = level  # JSON keys
+    levels = {
+        str(k): _summarise_level([r["levels"][k] for r in records if k in r["levels"]])
+        for k in records[0]["levels"]
+    }  # JSON keys
 
     block, ends = _parts(cfg)
     block_activation = _saved_bytes_per_row(
@@ -370,6 +342,37 @@ def summarise(records: list[dict], cfg) -> dict[str, Any]:
         "all_reduce": top.get("all_reduce"),
         "p2p": asdict(link_fit(_median_by_size(records, "p2p"))) if "p2p" in records[0] else None,
     }
+
+
+def _summarise_level(measured: list[dict]) -> dict[str, Any]:
+    """One level's figures from the records of the workers that measured it."""
+    level: dict[str, Any] = {}
+    for part in ("block", "block_forward", "ends"):
+        by_rows = {
+            rows: statistics.median(x["compute"][part][rows] for x in measured) for rows in ROWS
+        }
+        level[part] = asdict(compute_fit(by_rows))
+        level[f"{part}_s"] = {str(rows): seconds for rows, seconds in by_rows.items()}
+    level["optimizer_s_per_param"] = statistics.median(x["optimizer"] for x in measured)
+    if "ps_push" in measured[0]:
+        level["ps_push_s"] = statistics.median(x["ps_push"] for x in measured)
+    if "all_reduce" in measured[0]:
+        level["all_reduce"] = asdict(link_fit(_median_by_size(measured, "all_reduce")))
+        level["ddp_wait"] = asdict(compute_fit(_median_by_size(measured, "ddp")))
+    if "wrapped" in measured[0]:
+        level["wrapped"] = {
+            name: {
+                **asdict(compute_fit(_median_by_rows(measured, "wrapped", name))),
+                "optimizer_s": statistics.median(x["wrapped_optimizer"][name] for x in measured),
+            }
+            for name in measured[0]["wrapped"]
+        }
+    if "schedules" in measured[0]:
+        level["schedules"] = {
+            name: asdict(compute_fit(by_micro))
+            for name, by_micro in measured[0]["schedules"].items()
+        }
+    return level
 
 
 def _median_by_rows(measured: list[dict], key: str, name: str) -> dict[int, float]:

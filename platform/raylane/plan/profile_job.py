@@ -33,6 +33,9 @@ def profile_key(cfg: RaylaneConfig, levels: list[int]) -> str:
     model, par = cfg.model, cfg.parallelism
     versions = package_versions()
     basis = {
+        # What the profile measures: a profile of an older schema is measured again (2: the
+        # sharded layouts' wrapped blocks and the parameter server's round trip).
+        "schema": 2,
         "model": [
             model.kind,
             model.input_dim,

@@ -41,19 +41,21 @@ if TYPE_CHECKING:
 TP = 2
 
 
-def wrap_dims(world: int, k: int) -> dict[str, ParallelDims]:
+def wrap_dims(world: int, k: int, n_heads: int = TP) -> dict[str, ParallelDims]:
     """The layouts whose blocks a level of `k` of `world` workers times, by name (`wrap_name`):
     FSDP over all `k` and over `k / 2` (a pipeline's stages of `k / 2` shards), tensor parallel
     over 2, and FSDP over `k / 2` pairs of those. Their groups cover the first `k` ranks; the
     rest of the world sits in replicas of the same shape (every rank takes part in building a
-    mesh; only the first `k` time)."""
+    mesh; only the first `k` time). Tensor parallel only where the model's heads split over 2."""
     if k < 2 or world % k:
         return {}
     shape: list[ParallelDims] = [ParallelDims(dp_shard=k)]
-    if k % TP == 0:
+    if k % 2 == 0 and k > 2:  # a pipeline's 2 stages, each sharded over k / 2
+        shape.append(ParallelDims(dp_shard=k // 2))
+    if k % TP == 0 and n_heads % TP == 0:
         shape.append(ParallelDims(tp=TP))
         if k > TP:
-            shape += [ParallelDims(dp_shard=k // TP), ParallelDims(dp_shard=k // TP, tp=TP)]
+            shape.append(ParallelDims(dp_shard=k // TP, tp=TP))
     return {wrap_name(dims): replace(dims, dp_replicate=world // dims.world_size) for dims in shape}
 
 
@@ -67,7 +69,7 @@ def wrap_name(dims: ParallelDims) -> str | None:
     return "_".join(parts) or None
 
 
-def build_meshes(world: int, levels: list[int]) -> dict[int, dict[str, ParallelMesh]]:
+def build_meshes(world: int, levels: list[int], n_heads: int) -> dict[int, dict[str, ParallelMesh]]:
     """Every level's meshes, built on every rank up front (creating a mesh is collective)."""
     from raylane.parallel.mesh import build_device_mesh
 
@@ -75,7 +77,7 @@ def build_meshes(world: int, levels: list[int]) -> dict[int, dict[str, ParallelM
     meshes: dict[int, dict[str, ParallelMesh]] = {}
     for k in levels:
         meshes[k] = {}
-        for name, dims in wrap_dims(world, k).items():
+        for name, dims in wrap_dims(world, k, n_heads).items():
             if dims not in built:
                 built[dims] = build_device_mesh(dims, "cpu")
             meshes[k][name] = built[dims]
