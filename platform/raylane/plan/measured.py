@@ -201,13 +201,14 @@ class _Shape:
             params_held /= dp
             block_held /= dp
         tokens = model.input_dim / dims.cp
+        level = _level(profile, par.workers)
         return cls(
-            level=_level(profile, par.workers), pp=pp, tp=tp, dp=dp, cp=dims.cp,
+            level=level, pp=pp, tp=tp, dp=dp, cp=dims.cp,
             sequence_parallel=dims.sequence_parallel, pipelined=dims.pp_enabled, micro=micro,
             rows=rows, tokens=tokens, stage_layers=model.n_layers / pp, params_held=params_held,
             block_params_held=block_held,
             activation_bytes=rows * tokens * model.d_model * _FP32,
-            wrapped=_wrapped_fit(_level(profile, par.workers), dims),
+            wrapped=_wrapped_fit(level, dims),
         )  # fmt: skip
 
 

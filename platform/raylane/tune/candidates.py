@@ -169,11 +169,11 @@ def _one_per_layout(
         dims = ParallelDims.from_parallelism(trial_config(spec, candidate).parallelism)
         rest = {k: v for k, v in candidate.overrides.items() if k not in _DEGREE_KEYS}
         groups.setdefault((dims, repr(sorted(rest.items()))), []).append(candidate)
-    kept = {}
+    kept: set[str] = set()
     for (dims, _), same in groups.items():
         named = [c for c in same if c.overrides["parallelism.strategy"] == dims.preset_name]
         keep = (named or same)[0]
-        kept[keep.key] = keep
+        kept.add(keep.key)
         pruned += [Pruned(c, f"the same layout as {keep.key}") for c in same if c is not keep]
     return [c for c in valid if c.key in kept], pruned
 
