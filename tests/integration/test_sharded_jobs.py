@@ -199,3 +199,22 @@ def test_assembled_fsdp_tp_model_is_registered_and_served(fsdp_tp_endpoint, work
     outputs = {o["name"]: o for o in response.json()["outputs"]}
     expected = model(torch.from_numpy(tokens))[:, -1, :].argmax(dim=-1).tolist()
     assert outputs["label"]["data"] == expected
+
+
+def test_an_fsdp_checkpoint_resumes_resharded_on_fewer_workers(layout_runs, workspace):
+    """What an elastic fsdp group does when it shrinks: the checkpoint two workers sharded is
+    loaded re-sharded onto one (torch DCP), which takes the whole global batch, and the run
+    goes on as if it had kept both."""
+    _, uninterrupted = layout_runs("fsdp")
+    checkpoint = Path(uninterrupted.checkpoint_path).parent / "epoch_0000"
+    assert len(list((checkpoint / "sharded").glob("*.distcp"))) == 2
+    _, resumed = layout_runs(
+        "fsdp",
+        f"training.resume_from={checkpoint}",
+        "parallelism.workers=1",
+        "parallelism.dp=1",
+        f"training.batch_size={2 * ROWS}",
+    )
+    assert _losses(workspace, resumed.run_id) == pytest.approx(
+        _losses(workspace, uninterrupted.run_id)[1:], rel=1e-4
+    )

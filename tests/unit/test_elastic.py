@@ -10,6 +10,7 @@ import torch
 import yaml
 
 from raylane.config import ConfigError, load_config
+from raylane.config.dims import ParallelDims
 from raylane.train.checkpointing import Position, resume_position, save_checkpoint
 from raylane.train.elastic import RunProgress, at_world_size
 from tests.readme_blocks import ROOT
@@ -40,7 +41,11 @@ def test_a_worker_range_is_stored_as_max_and_min():
         (["parallelism.workers={min: 3, max: 2}"], r"min \(3\) is above max \(2\)"),
         (
             ["parallelism.workers={min: 1, max: 2}", "parallelism.strategy=local_sgd"],
-            "resizes 'ddp' runs .* 'local_sgd' .* keeps a fixed worker count",
+            "resizes 'ddp' and 'fsdp' runs .* 'local_sgd' .* keeps a fixed worker count",
+        ),
+        (
+            ["parallelism.workers={min: 2, max: 4}", "parallelism.strategy=tp", "parallelism.tp=2"],
+            "'tp' with pp 1, tp 2, cp 1 keeps a fixed worker count",
         ),
         (
             ["parallelism.workers={min: 2, max: 4}", "training.batch_size=10"],
@@ -60,6 +65,14 @@ def test_impossible_worker_ranges_are_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message) as error:
         _load(*overrides)
     assert "\n" not in str(error.value)
+
+
+def test_an_fsdp_run_resizes_with_its_shards():
+    cfg = _load("parallelism.strategy=fsdp", "parallelism.workers={min: 1, max: 2}")
+    for size in (2, 1):
+        resized = at_world_size(cfg, size)
+        assert resized.training.batch_size * size == cfg.training.batch_size * 2
+        assert ParallelDims.from_parallelism(resized.parallelism).dp_shard == size
 
 
 def test_each_size_takes_its_share_of_one_global_batch():
@@ -111,3 +124,25 @@ def test_the_readme_spot_excerpt_is_a_valid_elastic_config():
     cfg = _load(*overrides)
     assert (cfg.parallelism.min_workers, cfg.parallelism.workers) == (1, 4)
     assert [at_world_size(cfg, n).training.batch_size for n in (4, 3, 2, 1)] == [12, 16, 24, 48]
+
+
+def test_a_restart_takes_a_complete_checkpoint_ray_train_has_not_registered(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    run = tmp_path / "run"
+    progress = RunProgress(str(run / "raylane_progress.json"))
+    progress.start(0, 2)
+    step = {"epoch": 0, "step": 10, "loss_sum": 2.0, "rows": 40, "global_step": 10}
+    save_checkpoint(run / "epoch_0000_step_000010", model, optimizer, 0, step)
+    progress.checkpointed(str(run / "epoch_0000_step_000010"), 10)
+    progress.step_done(13)  # the group failed 3 steps later
+
+    again = RunProgress(str(progress.path))  # the restarted group's rank 0
+    assert again.newer_than_registered(5) == str(run / "epoch_0000_step_000010")
+    assert again.newer_than_registered(None) == str(run / "epoch_0000_step_000010")
+    assert again.newer_than_registered(10) is None  # Ray Train's is as new: take it
+    assert again.start(10, 1)["steps_lost"] == 3
+    assert RunProgress(str(progress.path)).state["checkpoint"]["global_step"] == 10  # kept
+
+    progress.checkpointed(str(run / "epoch_0000_step_000015"), 15)  # recorded, since deleted
+    assert RunProgress(str(progress.path)).newer_than_registered(10) is None

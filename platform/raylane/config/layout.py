@@ -122,14 +122,15 @@ def check_layout(cfg: RaylaneConfig) -> None:
 
 
 def _check_elastic(cfg: RaylaneConfig) -> None:
-    """An elastic worker range: a data-parallel layout whose replicas agree after every step,
-    and a global batch every size in the range splits evenly."""
+    """An elastic worker range: a data-parallel layout whose workers agree after every step
+    (DDP's replicas, or FSDP's shards, which a checkpoint re-shards onto any count), and a
+    global batch every size in the range splits evenly."""
     par = cfg.parallelism
-    if par.strategy != "ddp" or par.cp > 1:
+    if par.strategy not in ("ddp", "fsdp") or par.cp > 1 or par.pp > 1 or par.tp > 1:
         raise ValueError(
-            f"parallelism.workers {{min, max}} resizes 'ddp' runs (cp 1); strategy "
-            f"'{par.strategy}' with cp {par.cp} keeps a fixed worker count: set workers to one "
-            "number"
+            f"parallelism.workers {{min, max}} resizes 'ddp' and 'fsdp' runs (pp, tp and cp "
+            f"1); strategy '{par.strategy}' with pp {par.pp}, tp {par.tp}, cp {par.cp} keeps a "
+            "fixed worker count: set workers to one number"
         )
     if cfg.training.checkpoint_every_steps is None:
         raise ValueError(

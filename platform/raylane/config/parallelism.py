@@ -57,7 +57,8 @@ class ParallelismConfig(StrictModel):
         2,
         ge=1,
         description="Ray Train workers (processes) in the job: dp * pp * tp (pipeline, hybrid, "
-        "fsdp with pp > 1), dp * tp (tp, fsdp). `{min: M, max: N}` makes a ddp run elastic: "
+        "fsdp with pp > 1), dp * tp (tp, fsdp). `{min: M, max: N}` makes a ddp or fsdp run "
+        "(pp, tp, cp 1) elastic: "
         "it starts with N workers when the cluster has room for them, with M at least, and "
         "resizes when nodes leave or join; stored as `workers: N, min_workers: M`.",
     )

@@ -13,7 +13,10 @@ train the same steps on the same data as a fixed-size one:
 
 `RunProgress` keeps, beside Ray Train's checkpoints, the last global step rank 0 finished, so
 a restarted group knows how many steps it has to train again (`steps_lost`) and the run keeps
-a table of its worker-group sizes (`world_size_events.json`).
+a table of its worker-group sizes (`world_size_events.json`). It also names the newest
+checkpoint every worker finished writing: Ray Train registers a reported checkpoint only at its
+next poll of the workers, so a group that fails just after writing one would otherwise restart
+from the one before (`newer_than_registered`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import time
 from pathlib import Path
 
 from raylane.config import RaylaneConfig
+from raylane.train.checkpointing import META_FILE
 
 EVENTS_TABLE = "world_size_events"
 EVENT_COLUMNS = ["time", "global_step", "world_size", "previous_world_size", "steps_lost"]
@@ -55,7 +59,7 @@ class RunProgress:
 
     def __init__(self, path: str | None):
         self.path = Path(path) if path else None
-        self.state: dict = {"global_step": 0, "world_size": None, "events": []}
+        self.state: dict = {"global_step": 0, "world_size": None, "events": [], "checkpoint": None}
         if self.path is not None and self.path.exists():
             try:
                 self.state = json.loads(self.path.read_text())
@@ -76,6 +80,7 @@ class RunProgress:
             "steps_lost": lost,
         }
         self.state = {
+            **self.state,
             "global_step": resumed_step,
             "world_size": world_size,
             "events": [*self.state["events"], event],
@@ -96,6 +101,22 @@ class RunProgress:
     def step_done(self, global_step: int) -> None:
         self.state["global_step"] = global_step
         self._write()
+
+    def checkpointed(self, path: str, global_step: int) -> None:
+        """Every worker has written its part of the checkpoint at `path`, after `global_step`
+        optimizer steps of the run."""
+        self.state["checkpoint"] = {"path": path, "global_step": global_step}
+        self._write()
+
+    def newer_than_registered(self, registered_step: int | None) -> str | None:
+        """The recorded checkpoint's path when it follows more steps than the one Ray Train
+        hands back (`registered_step`; None: no checkpoint) and is still on disk, else None."""
+        recorded = self.state.get("checkpoint")
+        if not recorded or not (Path(recorded["path"]) / META_FILE).is_file():
+            return None
+        if registered_step is not None and recorded["global_step"] <= registered_step:
+            return None
+        return recorded["path"]
 
     def _write(self) -> None:
         if self.path is None:

@@ -13,7 +13,6 @@ import os
 import random
 import resource
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -36,11 +35,10 @@ from raylane.train.checkpointing import (
     Position,
     restore_checkpoint,
     restore_sharded_checkpoint,
-    save_epoch_checkpoint,
 )
 from raylane.train.elastic import at_world_size
 from raylane.train.phases import WorkerMarks
-from raylane.train.step_checkpoints import StepCheckpoints, epoch_start
+from raylane.train.step_checkpoints import StepCheckpoints, epoch_start, restore_point
 from raylane.train.straggler import Straggler
 
 
@@ -267,7 +265,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     optimizer = build_optimizer(trainable, training.optimizer, training.lr, training.weight_decay)
 
-    start = _restore(strategy, model, optimizer, cfg)
+    start = _restore(strategy, model, optimizer, restore_point(cfg, loop_config), cfg)
     placement = _gather_placement(rank)
     check_same_code(placement, loop_config.get("driver_code"))
     epoch_logger, monitor = _start_tracking(loop_config, cfg, rank, placement)
@@ -296,10 +294,10 @@ def _plain_model(cfg: RaylaneConfig, loop_config: dict[str, Any]):
     return model
 
 
-def _restore(strategy, model, optimizer, cfg: RaylaneConfig) -> Position:
-    """Where to start: after a worker-group failure Ray Train hands back the run's last
-    checkpoint; otherwise the run may start from an earlier run's (`resume_from`)."""
-    checkpoint = ray.train.get_checkpoint()
+def _restore(strategy, model, optimizer, checkpoint, cfg: RaylaneConfig) -> Position:
+    """Where to start: after a worker-group failure, the run's last `checkpoint`
+    (`step_checkpoints.restore_point`); otherwise the run may start from an earlier run's
+    (`resume_from`)."""
     if checkpoint is None and cfg.training.resume_from is not None:
         checkpoint = ray.train.Checkpoint(str(cfg.training.resume_from))
     if checkpoint is None:
@@ -388,12 +386,4 @@ def _train_epochs(strategy, model, optimizer, cfg, start, rank, epoch_logger, ma
             split_history.append(metrics)
             epoch_logger.log_step_split(split_history)
             epoch_logger.log_tables(strategy.run_tables)
-        with tempfile.TemporaryDirectory() as directory:
-            wrote = save_epoch_checkpoint(
-                Path(directory), strategy, model, optimizer, epoch, metrics
-            )
-            ray.train.report(
-                {**metrics, **marks.report_metrics()},
-                checkpoint=ray.train.Checkpoint.from_directory(directory) if wrote else None,
-                checkpoint_dir_name=f"epoch_{epoch:04d}",
-            )
+        saver.report(epoch, metrics, f"epoch_{epoch:04d}", marks.report_metrics())

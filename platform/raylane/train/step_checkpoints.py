@@ -21,7 +21,7 @@ import ray.train
 import torch
 import torch.distributed as dist
 
-from raylane.train.checkpointing import Position, save_epoch_checkpoint
+from raylane.train.checkpointing import Position, resume_position, save_epoch_checkpoint
 from raylane.train.elastic import RunProgress, log_group_start
 
 
@@ -87,15 +87,26 @@ class StepCheckpoints:
             "rows": round(totals[1].item()),
         }
         metrics = {"epoch": epoch, "global_step": self.global_step, **position}
+        self.report(epoch, metrics, f"epoch_{epoch:04d}_step_{steps_done:06d}")
+
+    def report(self, epoch: int, metrics: dict, name: str, extra: dict | None = None) -> None:
+        """Collective: write this worker's part of checkpoint `name` (`metrics` in its
+        metadata) and report it to Ray Train with `metrics` and `extra`. A run that keeps a
+        progress record then waits for every worker's part and records the checkpoint as
+        complete, so a restart can take it even before Ray Train has registered it."""
         with tempfile.TemporaryDirectory() as directory:
             wrote = save_epoch_checkpoint(
                 Path(directory), self.strategy, self.model, self.optimizer, epoch, metrics
             )
             ray.train.report(
-                metrics,
+                {**metrics, **(extra or {})},
                 checkpoint=ray.train.Checkpoint.from_directory(directory) if wrote else None,
-                checkpoint_dir_name=f"epoch_{epoch:04d}_step_{steps_done:06d}",
+                checkpoint_dir_name=name,
             )
+        if self.every is not None or self.elastic:  # the same on every rank
+            dist.barrier()  # every part is in storage (report returns after its upload)
+            if self.progress.path is not None:
+                self.progress.checkpointed(str(self.progress.path.parent / name), self.global_step)
 
     def _wait_for_restart(self, notice) -> None:
         """Hold the group after its notice checkpoint until Ray Train ends it (a step trained
@@ -112,6 +123,28 @@ class StepCheckpoints:
             )
         while True:
             time.sleep(1.0)
+
+
+def restore_point(cfg, loop_config) -> ray.train.Checkpoint | None:
+    """Collective: the checkpoint a worker group starts from. Ray Train's latest registered
+    one, unless the run's progress record names a newer complete one: Ray Train registers a
+    checkpoint at its next poll of the workers, and a group that failed in between would
+    otherwise train the steps since it again."""
+    checkpoint = ray.train.get_checkpoint()
+    if cfg.training.checkpoint_every_steps is None and not cfg.parallelism.elastic:
+        return checkpoint
+    newer: list[str | None] = [None]
+    if dist.get_rank() == 0:  # the record's keeper decides for the group
+        registered = None
+        if checkpoint is not None:
+            with checkpoint.as_directory() as directory:
+                registered = resume_position(Path(directory)).global_step
+        newer[0] = RunProgress(loop_config.get("progress_path")).newer_than_registered(registered)
+        if newer[0] is not None:
+            print(f"raylane: restarting from {newer[0]}, written by every worker but not yet "
+                  "registered by Ray Train", file=sys.stderr, flush=True)  # fmt: skip
+    dist.broadcast_object_list(newer, src=0)
+    return ray.train.Checkpoint(newer[0]) if newer[0] is not None else checkpoint
 
 
 def epoch_start(position: Position, epoch: int) -> tuple[int, float, int]:
