@@ -23,7 +23,10 @@ restart, reported with both), `same_samples` (the notice run's final weights equ
 run's within 1e-4: a run that trained on other samples, or on another global batch, ends
 elsewhere; its per-epoch losses are compared too). The last line is one JSON object.
 
-    python benchmarks/elastic.py [--every 5]
+    python benchmarks/elastic.py [--every 5] [--strategy fsdp]
+
+`--strategy fsdp` runs the same three with FSDP2 (each resize loads the sharded checkpoint
+re-sharded over the new group).
 
 Takes about 6 minutes. It stops every Ray on this machine first and last (`ray stop`).
 """
@@ -145,9 +148,10 @@ def _wait_for(storage: Path, train: subprocess.Popen, ready, timeout_s: float = 
     raise TimeoutError("the run did not reach the event")
 
 
-def _train(cluster: LocalCluster, work: Path, name: str, workers: str, every: int):
+def _train(cluster: LocalCluster, work: Path, name: str, workers: str, every: int, strategy):
     storage = work / name
     overrides = {
+        "parallelism.strategy": strategy,
         "parallelism.workers": workers,
         "parallelism.resources_per_worker": "{CPU: 0.5, spot: 1}",
         "parallelism.elastic_resize_monitor_s": MONITOR_S,
@@ -168,11 +172,11 @@ def _train(cluster: LocalCluster, work: Path, name: str, workers: str, every: in
     return process, storage
 
 
-def _run(cluster, work, name, every, disruption: str | None) -> dict:
+def _run(cluster, work, name, every, disruption: str | None, strategy: str) -> dict:
     """One run; with a disruption ('notice' or 'abrupt'), lose a node at step 30 and add a
     new one once one worker trains on. The run's events and the wall times of what was done."""
     train, storage = _train(cluster, work, name, "{min: 1, max: 2}" if disruption else
-                            "{min: 2, max: 2}", every)  # fmt: skip
+                            "{min: 2, max: 2}", every, strategy)  # fmt: skip
     marks: dict[str, float] = {}
     victim = sorted(cluster.nodes)[0]
     if disruption:
@@ -228,12 +232,13 @@ def _resize_seconds(run: dict) -> list[float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--every", type=int, default=5, help="training.checkpoint_every_steps")
+    parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
     parser.add_argument("--figures-from", type=Path, help="a finished run's work dir: figures only")
     args = parser.parse_args()
     if args.figures_from is not None:
         runs = json.loads((args.figures_from / "runs.json").read_text())
         uri = f"sqlite:///{args.figures_from / 'mlflow.db'}"
-        print(json.dumps(_figures(runs, args.every, uri)))
+        print(json.dumps(_figures(runs, args.every, uri, runs.get("strategy", "ddp"))))
         return
     subprocess.run([BIN / "ray", "stop", "--force"], capture_output=True)
     work = Path(tempfile.mkdtemp(prefix="raylane-elastic-"))
@@ -245,17 +250,17 @@ def main() -> None:
         cluster.add_node()
         ray.init(address=cluster.address, logging_level="ERROR")
         cluster.wait_alive(3)
-        runs = {name: _run(cluster, work, name, args.every, disruption)
+        runs = {name: _run(cluster, work, name, args.every, disruption, args.strategy)
                 for name, disruption in (("fixed", None), ("notice", "notice"),
                                          ("abrupt", "abrupt"))}  # fmt: skip
     finally:
         ray.shutdown()
         subprocess.run([BIN / "ray", "stop", "--force"], capture_output=True)
-    (work / "runs.json").write_text(json.dumps(runs))
-    print(json.dumps(_figures(runs, args.every, f"sqlite:///{work / 'mlflow.db'}")))
+    (work / "runs.json").write_text(json.dumps({**runs, "strategy": args.strategy}))
+    print(json.dumps(_figures(runs, args.every, f"sqlite:///{work / 'mlflow.db'}", args.strategy)))
 
 
-def _figures(runs: dict, every: int, tracking_uri: str) -> dict:
+def _figures(runs: dict, every: int, tracking_uri: str, strategy: str = "ddp") -> dict:
     fixed_w, fixed_losses = _final_state(runs["fixed"], tracking_uri)
     notice_w, notice_losses = _final_state(runs["notice"], tracking_uri)
     weight_gap = max((fixed_w[k] - notice_w[k]).abs().max().item() for k in fixed_w)
@@ -266,11 +271,12 @@ def _figures(runs: dict, every: int, tracking_uri: str) -> dict:
         for event in run["events"]:
             print(f"  {event}")
         print(f"  resize s (shrink, grow): {_resize_seconds(run)}")
-    shrink = {n: next(e for e in runs[n]["events"] if e["world_size"] == 1) for n in runs
-              if n != "fixed"}  # fmt: skip
+    shrink = {n: next(e for e in runs[n]["events"] if e["world_size"] == 1)
+              for n in ("notice", "abrupt")}  # fmt: skip
     grow = [e for n in shrink for e in runs[n]["events"] if e["previous_world_size"] == 1]
     print(f"epoch losses fixed {fixed_losses}\n             notice {notice_losses}")
     return {
+        "strategy": strategy,
         "checkpoint_every_steps": every,
         "steps_lost_with_notice": shrink["notice"]["steps_lost"],
         "steps_lost_abrupt": shrink["abrupt"]["steps_lost"],
@@ -281,7 +287,9 @@ def _figures(runs: dict, every: int, tracking_uri: str) -> dict:
         "same_samples": weight_gap < 1e-4 and loss_gap < 1e-4,
         "resize_s": round(max(max(_resize_seconds(runs[n])) for n in shrink), 2),
         "resize_monitor_s": MONITOR_S,
-        "world_sizes": {n: [e["world_size"] for e in runs[n]["events"]] for n in runs},
+        "world_sizes": {
+            n: [e["world_size"] for e in runs[n]["events"]] for n in ("fixed", *shrink)
+        },
     }
 
 
