@@ -44,8 +44,9 @@ class StepCheckpoints:
         self.global_step = position.global_step
         # Rank 0 keeps the record, beside the checkpoints (shared storage on a multi-node
         # cluster, as Ray Train's checkpoints need).
-        keeps_progress = (self.every is not None or self.elastic) and dist.get_rank() == 0
-        self.progress = RunProgress(loop_config.get("progress_path") if keeps_progress else None)
+        self.recorded = records_progress(cfg)  # the same on every rank
+        keeps = self.recorded and dist.get_rank() == 0
+        self.progress = RunProgress(loop_config.get("progress_path") if keeps else None)
         log_group_start(self.progress, position, dist.get_world_size(), logger)
 
     def epoch_metrics(self) -> dict[str, int]:
@@ -103,7 +104,7 @@ class StepCheckpoints:
                 checkpoint=ray.train.Checkpoint.from_directory(directory) if wrote else None,
                 checkpoint_dir_name=name,
             )
-        if self.every is not None or self.elastic:  # the same on every rank
+        if self.recorded:
             dist.barrier()  # every part is in storage (report returns after its upload)
             if self.progress.path is not None:
                 self.progress.checkpointed(str(self.progress.path.parent / name), self.global_step)
@@ -125,13 +126,18 @@ class StepCheckpoints:
             time.sleep(1.0)
 
 
+def records_progress(cfg) -> bool:
+    """Whether the run keeps a progress record: runs that checkpoint inside epochs or resize."""
+    return cfg.training.checkpoint_every_steps is not None or cfg.parallelism.elastic
+
+
 def restore_point(cfg, loop_config) -> ray.train.Checkpoint | None:
     """Collective: the checkpoint a worker group starts from. Ray Train's latest registered
     one, unless the run's progress record names a newer complete one: Ray Train registers a
     checkpoint at its next poll of the workers, and a group that failed in between would
     otherwise train the steps since it again."""
     checkpoint = ray.train.get_checkpoint()
-    if cfg.training.checkpoint_every_steps is None and not cfg.parallelism.elastic:
+    if not records_progress(cfg):
         return checkpoint
     newer: list[str | None] = [None]
     if dist.get_rank() == 0:  # the record's keeper decides for the group
