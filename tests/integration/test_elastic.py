@@ -29,6 +29,10 @@ pytestmark = pytest.mark.integration
 EVERY = 4
 EPOCHS = 2
 DRAIN_AT = 12
+# A cloud's spot notice leaves 30 s to 2 min; 10 s is enough for Ray Train's drain watcher
+# (polled every 0.5 s here) to reach the workers on a loaded 2-core machine: at 2 s the
+# notice sometimes arrived after the node was gone and the run lost steps.
+NOTICE_S = 10
 
 
 class SpotNodes:
@@ -133,10 +137,10 @@ def test_an_elastic_run_loses_a_node_with_notice_and_no_step(
             subprocess.run(
                 [str(BIN / "ray"), "drain-node", f"--address={ray_cluster.address}",
                  f"--node-id={victim}", "--reason=DRAIN_NODE_REASON_PREEMPTION",
-                 "--reason-message=spot capacity reclaimed", "--deadline-remaining-seconds=2"],
+                 "--reason-message=spot capacity reclaimed", f"--deadline-remaining-seconds={NOTICE_S}"],
                 check=True, env=ray_cluster.client_env, capture_output=True,
             )  # fmt: skip
-            time.sleep(2)
+            time.sleep(NOTICE_S)
             spot_nodes.stop("b")  # the reclaim itself, at the deadline
             assert train.wait(timeout=240) == 0, log.read_text()[-3000:]
         finally:
