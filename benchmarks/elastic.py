@@ -17,11 +17,13 @@ rank 0 so that a step lasts long enough to watch):
 From each run's progress record (`raylane_progress.json`, logged as `world_size_events.json`)
 and its final checkpoint: `steps_lost_with_notice` (target 0), `steps_lost_abrupt` (target <=
 `checkpoint_every_steps`), `final_loss_ratio` (last epoch's training loss, notice / fixed;
-target 1 +- 0.01), `resize_s` (from the node leaving to the group training again at the new
-size, worst of the shrinks and grows; target <= 2 x the resize monitor interval + the group's
-restart, reported with both), `same_samples` (the notice run's final weights equal the fixed
-run's within 1e-4: a run that trained on other samples, or on another global batch, ends
-elsewhere; its per-epoch losses are compared too). The last line is one JSON object.
+target 1 +- 0.01), `resize_s` (from Ray reporting the node gone, or a new node joining, to
+the group training again at the new size, worst of the shrinks and grows, each in
+`resize_s_each`; target <= 2 x the resize monitor interval + the group's restart, reported with
+both; a stopped raylet is reported gone at once, a killed one only when Ray's health checks
+give up on it, `node_death_detected_s`), `same_samples` (the notice run's final weights equal
+the fixed run's within 1e-4: a run that trained on other samples, or on another global batch,
+ends elsewhere; its per-epoch losses are compared too). The last line is one JSON object.
 
     python benchmarks/elastic.py [--every 5] [--strategy fsdp]
 
@@ -109,6 +111,18 @@ class LocalCluster:
                 raise TimeoutError(f"the cluster did not reach {count} nodes")
             time.sleep(0.3)
 
+    def wait_dead(self, node_id: str, timeout_s: float = 120.0) -> float:
+        """When Ray first reports `node_id` dead (a stopped raylet says so as it leaves; a
+        killed one is found by Ray's health checks, by default five missed checks 3 s apart)."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"Ray still reports node {node_id} alive")
+            time.sleep(0.1)
+        return time.time()
+
     def drain(self, name: str, deadline_s: int) -> None:
         subprocess.run(
             [BIN / "ray", "drain-node", f"--address={self.address}",
@@ -186,8 +200,10 @@ def _run(cluster, work, name, every, disruption: str | None, strategy: str) -> d
             cluster.drain(victim, DEADLINE_S)
             marks["drained"] = time.time()
             time.sleep(DEADLINE_S)
+        victim_id = cluster.node_id(victim)
         marks["node_left"] = time.time()
         cluster.stop_node(victim, abrupt=disruption == "abrupt")
+        marks["node_dead"] = cluster.wait_dead(victim_id)
         _wait_for(storage, train, lambda s: s["world_size"] == 1)
         cluster.add_node()
         marks["node_added"] = time.time()
@@ -220,13 +236,19 @@ def _final_state(run: dict, tracking_uri: str) -> tuple[dict, list[float]]:
 
 
 def _resize_seconds(run: dict) -> list[float]:
-    """Node left -> the group starts at one worker; node joined -> at two (when it grew
-    before the run ended)."""
+    """Ray reports the node dead -> the group starts at one worker; node joined -> at two
+    (when it grew before the run ended)."""
     events, marks = run["events"], run["marks"]
     shrink = next(e for e in events if e["world_size"] == 1)
     grow = [e for e in events if e["previous_world_size"] == 1]
-    seconds = [shrink["time"] - marks["node_left"]]
+    seconds = [shrink["time"] - marks.get("node_dead", marks["node_left"])]
     return seconds + [grow[0]["time"] - marks["node_added"]] if grow else seconds
+
+
+def _detection_seconds(run: dict) -> float | None:
+    """Node stopped or killed -> Ray reports it dead (runs from before this mark: None)."""
+    marks = run["marks"]
+    return marks["node_dead"] - marks["node_left"] if "node_dead" in marks else None
 
 
 def main() -> None:
@@ -270,7 +292,8 @@ def _figures(runs: dict, every: int, tracking_uri: str, strategy: str = "ddp") -
         print(f"{name}: step at loss {run['marks']['step_at_loss']}")
         for event in run["events"]:
             print(f"  {event}")
-        print(f"  resize s (shrink, grow): {_resize_seconds(run)}")
+        print(f"  resize s (shrink, grow): {_resize_seconds(run)}; Ray saw the node dead "
+              f"after {_detection_seconds(run)} s")  # fmt: skip
     shrink = {n: next(e for e in runs[n]["events"] if e["world_size"] == 1)
               for n in ("notice", "abrupt")}  # fmt: skip
     grow = [e for n in shrink for e in runs[n]["events"] if e["previous_world_size"] == 1]
@@ -286,11 +309,17 @@ def _figures(runs: dict, every: int, tracking_uri: str, strategy: str = "ddp") -
         "final_weight_max_abs_gap": weight_gap,
         "same_samples": weight_gap < 1e-4 and loss_gap < 1e-4,
         "resize_s": round(max(max(_resize_seconds(runs[n])) for n in shrink), 2),
+        "resize_s_each": {n: [round(x, 2) for x in _resize_seconds(runs[n])] for n in shrink},
+        "node_death_detected_s": {n: _round(_detection_seconds(runs[n])) for n in shrink},
         "resize_monitor_s": MONITOR_S,
         "world_sizes": {
             n: [e["world_size"] for e in runs[n]["events"]] for n in ("fixed", *shrink)
         },
     }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
 
 
 if __name__ == "__main__":

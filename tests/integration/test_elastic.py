@@ -137,7 +137,8 @@ def test_an_elastic_run_loses_a_node_with_notice_and_no_step(
             subprocess.run(
                 [str(BIN / "ray"), "drain-node", f"--address={ray_cluster.address}",
                  f"--node-id={victim}", "--reason=DRAIN_NODE_REASON_PREEMPTION",
-                 "--reason-message=spot capacity reclaimed", f"--deadline-remaining-seconds={NOTICE_S}"],
+                 "--reason-message=spot capacity reclaimed",
+                 f"--deadline-remaining-seconds={NOTICE_S}"],
                 check=True, env=ray_cluster.client_env, capture_output=True,
             )  # fmt: skip
             time.sleep(NOTICE_S)
@@ -146,6 +147,9 @@ def test_an_elastic_run_loses_a_node_with_notice_and_no_step(
         finally:
             if train.poll() is None:
                 train.kill()
+    # The driver told Ray's autoscaling coordinator at once (not at its 20 s refresh), so the
+    # restart asked for the one worker there was room for.
+    assert "a node left (-1); Ray Train's view of the nodes refreshed" in log.read_text()
     events = _progress(storage)["events"]
     assert [e["world_size"] for e in events] == [2, 1], events
     shrink = events[1]

@@ -145,3 +145,63 @@ def log_group_start(progress: RunProgress, position, world_size: int, logger) ->
     if logger is not None:
         logger.log({"world_size": world_size, "steps_lost": progress.steps_lost}, position.epoch)
         logger.log_tables({EVENTS_TABLE: progress.table()})
+
+
+class NodeWatch:
+    """While an elastic run trains: tell Ray at once when a node joins or leaves.
+
+    Ray Train's elastic policy sizes each worker group from Ray's autoscaling coordinator
+    (`ray.data._internal.cluster_autoscaler`), whose view of the nodes is refreshed every 20 s.
+    A group restarted after losing a node would otherwise ask for a worker on the node that is
+    gone and wait out the worker-start timeout before asking again, and a node that joins
+    would wait for the next refresh before the group grows. This thread looks at the live
+    nodes every `interval_s` and, when the set changes, asks the coordinator to recompute its
+    view (`get_reserved_resources(recompute=True)`)."""
+
+    COORDINATOR = ("AutoscalingCoordinator", "AutoscalingCoordinator")  # name, namespace
+
+    def __init__(self, interval_s: float = 0.25):
+        import threading
+
+        self.interval_s = interval_s
+        self.refreshes = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="raylane-node-watch", daemon=True)
+
+    def __enter__(self) -> NodeWatch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _watch(self) -> None:
+        import ray
+
+        known = None
+        while not self._stop.wait(self.interval_s):
+            try:
+                alive = frozenset(n["NodeID"] for n in ray.nodes() if n["Alive"])
+            except Exception:  # the driver is shutting down, or the GCS is away for a moment
+                continue
+            if known is not None and alive != known:
+                self._refresh(len(alive) - len(known))
+            known = alive
+
+    def _refresh(self, change: int) -> None:
+        import ray
+
+        name, namespace = self.COORDINATOR
+        try:
+            coordinator = ray.get_actor(name, namespace=namespace)
+            ray.get(coordinator.get_reserved_resources.remote("raylane", recompute=True),
+                    timeout=10)  # fmt: skip
+        except Exception as exc:  # Ray's own 20 s refresh still comes; say why this did not
+            print(f"raylane: a node {'joined' if change > 0 else 'left'}; Ray's view of the "
+                  f"nodes was not refreshed early ({type(exc).__name__}: {exc})",
+                  file=sys.stderr)  # fmt: skip
+            return
+        self.refreshes += 1
+        print(f"raylane: a node {'joined' if change > 0 else 'left'} ({change:+d}); Ray "
+              "Train's view of the nodes refreshed", file=sys.stderr, flush=True)  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -291,10 +292,12 @@ def _job_trainer(cfg: RaylaneConfig, run_name: str, tracking_uri: str, run_id: s
 
 def _fit_run(cfg: RaylaneConfig, trainer, tracking_uri: str, run_id: str, register: bool):
     """Fit with the epoch lines on the console; the result and its numeric final metrics."""
+    from raylane.train.elastic import NodeWatch
     from raylane.train.progress import EpochProgress
 
     warming = _warm_model_logging() if register else None
-    with EpochProgress(tracking_uri, run_id, cfg.training.epochs):
+    watch = NodeWatch() if cfg.parallelism.elastic else contextlib.nullcontext()
+    with EpochProgress(tracking_uri, run_id, cfg.training.epochs), watch:
         result = _fit(trainer)
     if warming is not None:
         warming.join()

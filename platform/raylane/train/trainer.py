@@ -18,11 +18,14 @@ HEALTH_CHECK_S = "0.5"
 # leave under a minute to react, so raylane asks every second (one small GCS query).
 PREEMPTION_POLL_ENV = "RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S"
 PREEMPTION_POLL_S = "1"
-# An elastic group restarted right after losing a node may still count it (Ray Train's view
-# of the nodes is refreshed every 20 s) and wait for a worker there until this timeout (60 s
-# by default) before it counts again; elastic runs wait 30 s.
+# An elastic group restarted as a node leaves may still count it (a drained node is alive
+# until its deadline passes; Ray's view of the nodes is refreshed every 20 s, or at once by
+# `raylane.train.elastic.NodeWatch`) and wait for a worker there until this timeout (60 s by
+# default) before it asks again. The timeout only covers the wait for the group's placement
+# group (resources that exist are placed in well under a second) and Ray Train retries a
+# timed-out start without limit, so elastic runs wait 5 s.
 START_TIMEOUT_ENV = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
-ELASTIC_START_TIMEOUT_S = "30"
+ELASTIC_START_TIMEOUT_S = "5"
 PROGRESS_FILE = "raylane_progress.json"
 
 
@@ -111,7 +114,7 @@ _timeout_set_here = False
 
 
 def _elastic_start_timeout(elastic: bool) -> None:
-    """Ray Train's worker-start timeout for the next run: 30 s for an elastic run unless the
+    """Ray Train's worker-start timeout for the next run: 5 s for an elastic run unless the
     user set one; what it was otherwise (this process may start other runs after it)."""
     global _timeout_set_here
     if elastic and START_TIMEOUT_ENV not in os.environ:
