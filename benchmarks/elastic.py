@@ -17,7 +17,7 @@ rank 0 so that a step lasts long enough to watch):
 From each run's progress record (`raylane_progress.json`, logged as `world_size_events.json`)
 and its final checkpoint: `steps_lost_with_notice` (target 0), `steps_lost_abrupt` (target <=
 `checkpoint_every_steps`), `final_loss_ratio` (last epoch's training loss, notice / fixed;
-target 1 +- 0.01), `resize_s` (from Ray reporting the node gone, or a new node joining, to
+target 1 +- 0.01), `resize_s` (from Ray reporting the node gone, or a new node alive, to
 the group training again at the new size, worst of the shrinks and grows, each in
 `resize_s_each`; target <= 2 x the resize monitor interval + the group's restart, reported with
 both; a stopped raylet is reported gone at once, a killed one only when Ray's health checks
@@ -123,6 +123,18 @@ class LocalCluster:
             time.sleep(0.1)
         return time.time()
 
+    def wait_joined(self, name: str, timeout_s: float = 120.0) -> float:
+        """When Ray first reports the node `name` alive (its raylet registered)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                self.node_id(name)
+                return time.time()
+            except LookupError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"node {name} did not join") from None
+                time.sleep(0.1)
+
     def drain(self, name: str, deadline_s: int) -> None:
         subprocess.run(
             [BIN / "ray", "drain-node", f"--address={self.address}",
@@ -196,17 +208,18 @@ def _run(cluster, work, name, every, disruption: str | None, strategy: str) -> d
     if disruption:
         at = _wait_for(storage, train, lambda s: s["global_step"] >= DRAIN_AT_STEP)
         marks["step_at_loss"] = at["global_step"]
+        victim_id = cluster.node_id(victim)  # before a drain: Ray may end the node at its deadline
         if disruption == "notice":
             cluster.drain(victim, DEADLINE_S)
             marks["drained"] = time.time()
             time.sleep(DEADLINE_S)
-        victim_id = cluster.node_id(victim)
         marks["node_left"] = time.time()
         cluster.stop_node(victim, abrupt=disruption == "abrupt")
         marks["node_dead"] = cluster.wait_dead(victim_id)
         _wait_for(storage, train, lambda s: s["world_size"] == 1)
-        cluster.add_node()
+        joining = cluster.add_node()
         marks["node_added"] = time.time()
+        marks["node_joined"] = cluster.wait_joined(joining)
     if train.wait(timeout=600):
         raise RuntimeError(f"{name}: raylane train failed; see {work / name}.log")
     run_name = next(storage.glob("*/raylane_progress.json")).parent.name
@@ -236,13 +249,14 @@ def _final_state(run: dict, tracking_uri: str) -> tuple[dict, list[float]]:
 
 
 def _resize_seconds(run: dict) -> list[float]:
-    """Ray reports the node dead -> the group starts at one worker; node joined -> at two
-    (when it grew before the run ended)."""
+    """Ray reports the node dead -> the group starts at one worker; Ray reports the new node
+    alive -> at two (when it grew before the run ended)."""
     events, marks = run["events"], run["marks"]
     shrink = next(e for e in events if e["world_size"] == 1)
     grow = [e for e in events if e["previous_world_size"] == 1]
     seconds = [shrink["time"] - marks.get("node_dead", marks["node_left"])]
-    return seconds + [grow[0]["time"] - marks["node_added"]] if grow else seconds
+    joined = marks.get("node_joined", marks["node_added"])
+    return seconds + [grow[0]["time"] - joined] if grow else seconds
 
 
 def _detection_seconds(run: dict) -> float | None:

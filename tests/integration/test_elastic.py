@@ -1,12 +1,13 @@
 """An elastic run on real nodes: two `spot` nodes join the session cluster (`ray start
 --address`, one training slot each); `raylane train` runs ddp with `workers: {min: 1, max: 2}`;
-one node is drained with a deadline (as a cloud's spot reclaim does) and stopped at it.
+one node is drained with a deadline (as a cloud's spot reclaim does) and stopped at it, and once
+one worker trains on, a new node joins.
 
-The run must go from 2 workers to 1 and finish; lose no step to the notice (it checkpoints at
-the next step boundary and waits for the restart); train exactly its epochs' global steps;
-and record the sizes in MLflow (`world_size`, `steps_lost`, the events table).
-`benchmarks/elastic.py` adds a node back (the group grows), loses one abruptly, and compares
-the weights and losses with a fixed-size run.
+The run must go from 2 workers to 1 and back to 2 and finish; lose no step to the notice (it
+checkpoints at the next step boundary and waits for the restart); train exactly its epochs'
+global steps; and record the sizes in MLflow (`world_size`, `steps_lost`, the events table).
+`benchmarks/elastic.py` also loses a node abruptly and compares the weights and losses with a
+fixed-size run.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from .conftest import BIN, free_port
 pytestmark = pytest.mark.integration
 
 EVERY = 4
-EPOCHS = 2
+EPOCHS = 6  # long enough at one worker for the new node to join and the group to grow
 DRAIN_AT = 12
 # A cloud's spot notice leaves 30 s to 2 min; 10 s is enough for Ray Train's drain watcher
 # (polled every 0.5 s here) to reach the workers on a loaded 2-core machine: at 2 s the
@@ -114,8 +115,9 @@ def test_an_elastic_run_loses_a_node_with_notice_and_no_step(
     overrides = workspace.overrides(
         "experiment=elastic",
         "parallelism.workers={min: 1, max: 2}",
+        "parallelism.elastic_resize_monitor_s=2",  # room to grow is looked for every 2 s
         "parallelism.resources_per_worker={CPU: 0.5, spot: 1}",
-        "parallelism.straggler={rank: 0, delay_s: 0.05}",  # steps long enough to watch
+        "parallelism.straggler={rank: 0, delay_s: 0.1}",  # steps long enough to watch
         f"training.checkpoint_every_steps={EVERY}",
         f"training.epochs={EPOCHS}",
         "training.batch_size=16",
@@ -143,17 +145,23 @@ def test_an_elastic_run_loses_a_node_with_notice_and_no_step(
             )  # fmt: skip
             time.sleep(NOTICE_S)
             spot_nodes.stop("b")  # the reclaim itself, at the deadline
+            _wait(storage, train, lambda s: s["world_size"] == 1)
+            spot_nodes.add("c")  # capacity comes back: the group grows
             assert train.wait(timeout=240) == 0, log.read_text()[-3000:]
         finally:
             if train.poll() is None:
                 train.kill()
     # The driver told Ray's autoscaling coordinator at once (not at its 20 s refresh), so the
     # restart asked for the one worker there was room for.
-    assert "a node left (-1); Ray Train's view of the nodes refreshed" in log.read_text()
+    console = log.read_text()
+    assert "a node left (-1); Ray Train's view of the nodes refreshed" in console
+    assert "a node joined (+1); Ray Train's view of the nodes refreshed" in console
     events = _progress(storage)["events"]
-    assert [e["world_size"] for e in events] == [2, 1], events
-    shrink = events[1]
+    assert [e["world_size"] for e in events] == [2, 1, 2], events
+    shrink, grow = events[1:]
     assert shrink["steps_lost"] == 0 and shrink["global_step"] >= DRAIN_AT, events
+    # A grow restarts the group from its newest checkpoint: at most the interval again.
+    assert grow["global_step"] > shrink["global_step"] and grow["steps_lost"] < EVERY, events
 
     client = MlflowClient(workspace.tracking_uri)
     run = client.search_runs(
@@ -165,10 +173,12 @@ def test_an_elastic_run_loses_a_node_with_notice_and_no_step(
     assert _progress(storage)["global_step"] == EPOCHS * steps_per_epoch
     sizes = client.get_metric_history(run.info.run_id, "world_size")
     in_order = [m.value for m in sorted(sizes, key=lambda m: m.timestamp)]
-    assert [v for i, v in enumerate(in_order) if i == 0 or v != in_order[i - 1]] == [2, 1]
-    assert [m.value for m in client.get_metric_history(run.info.run_id, "steps_lost")] == [0, 0]
+    assert [v for i, v in enumerate(in_order) if i == 0 or v != in_order[i - 1]] == [2, 1, 2]
+    lost = [m.value for m in client.get_metric_history(run.info.run_id, "steps_lost")]
+    assert lost == [0, 0, grow["steps_lost"]]  # cumulative, at each group start
     table = json.loads(
         Path(client.download_artifacts(run.info.run_id, "world_size_events.json")).read_text()
     )
-    assert [row[2:] for row in table["data"]] == [[2, None, 0], [1, 2, 0]]
+    rows = [[2, None, 0], [1, 2, 0], [2, 1, grow["steps_lost"]]]
+    assert [row[2:] for row in table["data"]] == rows
     assert run.data.metrics["val_accuracy"] > 0.8
