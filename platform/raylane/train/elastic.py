@@ -164,7 +164,6 @@ class NodeWatch:
         import threading
 
         self.interval_s = interval_s
-        self.refreshes = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="raylane-node-watch", daemon=True)
 
@@ -192,16 +191,15 @@ class NodeWatch:
     def _refresh(self, change: int) -> None:
         import ray
 
+        what = "joined" if change > 0 else "left" if change < 0 else "was replaced"
         name, namespace = self.COORDINATOR
         try:
             coordinator = ray.get_actor(name, namespace=namespace)
             ray.get(coordinator.get_reserved_resources.remote("raylane", recompute=True),
                     timeout=10)  # fmt: skip
         except Exception as exc:  # Ray's own 20 s refresh still comes; say why this did not
-            print(f"raylane: a node {'joined' if change > 0 else 'left'}; Ray's view of the "
-                  f"nodes was not refreshed early ({type(exc).__name__}: {exc})",
-                  file=sys.stderr)  # fmt: skip
+            print(f"raylane: a node {what}; Ray's view of the nodes was not refreshed early "
+                  f"({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)  # fmt: skip
             return
-        self.refreshes += 1
-        print(f"raylane: a node {'joined' if change > 0 else 'left'} ({change:+d}); Ray "
-              "Train's view of the nodes refreshed", file=sys.stderr, flush=True)  # fmt: skip
+        print(f"raylane: a node {what} ({change:+d}); Ray Train's view of the nodes refreshed",
+              file=sys.stderr, flush=True)  # fmt: skip
