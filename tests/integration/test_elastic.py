@@ -160,8 +160,9 @@ def test_an_elastic_run_loses_a_node_with_notice_and_no_step(
     assert [e["world_size"] for e in events] == [2, 1, 2], events
     shrink, grow = events[1:]
     assert shrink["steps_lost"] == 0 and shrink["global_step"] >= DRAIN_AT, events
-    # A grow restarts the group from its newest checkpoint: at most the interval again.
-    assert grow["global_step"] > shrink["global_step"] and grow["steps_lost"] < EVERY, events
+    # A grow restarts the group from its newest checkpoint: at most the interval again (all of
+    # it when the resize stops the group after a checkpoint's last step, before it is written).
+    assert grow["global_step"] > shrink["global_step"] and grow["steps_lost"] <= EVERY, events
 
     client = MlflowClient(workspace.tracking_uri)
     run = client.search_runs(
