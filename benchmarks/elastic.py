@@ -94,46 +94,39 @@ class LocalCluster:
         return name
 
     def node_id(self, name: str) -> str:
+        found = self._alive_id(name)
+        if found is None:
+            raise LookupError(f"node {name} is not alive")
+        return found
+
+    def _alive_id(self, name: str) -> str | None:
         import ray
 
         prefix = str(self.root / name) + "/"
         for node in ray.nodes():
             if node["Alive"] and node["ObjectStoreSocketName"].startswith(prefix):
                 return node["NodeID"]
-        raise LookupError(f"node {name} is not alive")
+        return None
 
-    def wait_alive(self, count: int, timeout_s: float = 60.0) -> None:
+    def wait_alive(self, count: int) -> None:
         import ray
 
-        deadline = time.monotonic() + timeout_s
-        while sum(node["Alive"] for node in ray.nodes()) != count:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the cluster did not reach {count} nodes")
-            time.sleep(0.3)
+        _until(lambda: sum(node["Alive"] for node in ray.nodes()) == count,
+               f"the cluster did not reach {count} nodes", timeout_s=60.0, every_s=0.3)  # fmt: skip
 
-    def wait_dead(self, node_id: str, timeout_s: float = 120.0) -> float:
+    def wait_dead(self, node_id: str) -> float:
         """When Ray first reports `node_id` dead (a stopped raylet says so as it leaves; a
         killed one is found by Ray's health checks, by default five missed checks 3 s apart)."""
         import ray
 
-        deadline = time.monotonic() + timeout_s
-        while any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"Ray still reports node {node_id} alive")
-            time.sleep(0.1)
-        return time.time()
+        return _until(
+            lambda: not any(n["NodeID"] == node_id and n["Alive"] for n in ray.nodes()),
+            f"Ray still reports node {node_id} alive",
+        )
 
-    def wait_joined(self, name: str, timeout_s: float = 120.0) -> float:
+    def wait_joined(self, name: str) -> float:
         """When Ray first reports the node `name` alive (its raylet registered)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                self.node_id(name)
-                return time.time()
-            except LookupError:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"node {name} did not join") from None
-                time.sleep(0.1)
+        return _until(lambda: self._alive_id(name) is not None, f"node {name} did not join")
 
     def drain(self, name: str, deadline_s: int) -> None:
         subprocess.run(
@@ -155,6 +148,17 @@ class LocalCluster:
                     os.kill(int(pid), signal.SIGKILL)
         process.terminate()
         process.wait(timeout=60)
+
+
+def _until(condition, failure: str, timeout_s: float = 120.0, every_s: float = 0.1) -> float:
+    """Poll `condition` until it holds; the time it first did (TimeoutError `failure` after
+    `timeout_s`)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(failure)
+        time.sleep(every_s)
+    return time.time()
 
 
 def _progress(storage: Path) -> dict | None:

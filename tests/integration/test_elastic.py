@@ -151,8 +151,8 @@ def test_an_elastic_run_loses_a_node_with_notice_and_no_step(
         finally:
             if train.poll() is None:
                 train.kill()
-    # The driver told Ray's autoscaling coordinator at once (not at its 20 s refresh), so the
-    # restart asked for the one worker there was room for.
+    # The driver had Ray's autoscaling coordinator recompute its view of the nodes when one
+    # left and when one joined (not at its 20 s refresh).
     console = log.read_text()
     assert "a node left (-1); Ray Train's view of the nodes refreshed" in console
     assert "a node joined (+1); Ray Train's view of the nodes refreshed" in console
