@@ -86,6 +86,9 @@ class TrackingOutageError(RuntimeError):
 OUTAGE = "tracking server unreachable"
 
 
+EPOCH_KEY = "val_loss"  # a metric every epoch logs, at the epoch's step
+
+
 class EpochLogger:
     """Logs per-epoch metrics into an existing run from a Ray Train worker (rank 0).
 
@@ -105,6 +108,7 @@ class EpochLogger:
         self._window_s = outage_window_s
         self._pending: list[Metric] = []
         self._down_since: float | None = None
+        self._epochs: set[int] | None = None  # epochs the run holds (read at the first epoch)
 
     def log_placement(self, placement: list[dict]) -> None:
         """Which node (and process) each rank runs on: the layout as it really was."""
@@ -146,6 +150,28 @@ class EpochLogger:
         ]
         if not self._flush():
             self._check_window()
+
+    def log_epoch(self, metrics: dict[str, float], epoch: int) -> bool:
+        """An epoch's metrics, once. A group restarted from a checkpoint taken before the
+        epoch ended (a resize, a preemption, a failure) trains its last steps again and reaches
+        the same end; the run keeps its first record of it. Whether they were logged now."""
+        if self._epochs is None:
+            try:
+                history = self._client.get_metric_history(self._run_id, EPOCH_KEY)
+                self._epochs = {m.step for m in history}
+            except Exception:  # noqa: BLE001 - an outage: `log` below waits it out as always
+                self._epochs = set()
+        if epoch in self._epochs:
+            print(
+                f"raylane: epoch {epoch + 1} ended again after a restart; its metrics were "
+                "logged the first time and are kept as they are",
+                file=sys.stderr,
+                flush=True,
+            )
+            return False
+        self.log(metrics, step=epoch)
+        self._epochs.add(epoch)
+        return True
 
     def close(self) -> None:
         """Send what is still pending, waiting for the server up to the outage window."""

@@ -381,8 +381,7 @@ def _train_epochs(strategy, model, optimizer, cfg, start, rank, epoch_logger, ma
         }
         if cfg.model.kind == "gpt":  # tokens are bytes: the loss in bits is bits per byte
             metrics["val_bits_per_byte"] = val_loss / math.log(2)
-        if epoch_logger is not None:
-            epoch_logger.log(metrics, step=epoch)
+        if epoch_logger is not None and epoch_logger.log_epoch(metrics, epoch):
             split_history.append(metrics)
             epoch_logger.log_step_split(split_history)
             epoch_logger.log_tables(strategy.run_tables)

@@ -1,0 +1,22 @@
+from mlflow.tracking import MlflowClient
+
+from raylane.tracking.runs import EpochLogger
+
+
+def test_an_epoch_that_ends_again_after_a_restart_is_logged_once(tmp_path, capsys):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("restarts")).info.run_id
+
+    first = EpochLogger(uri, run_id)
+    assert first.log_epoch({"val_loss": 2.0, "global_step": 44}, 0)
+    # The group restarts from a checkpoint taken before epoch 0's end (a new logger, as in
+    # the new group's rank 0), trains the last steps again and ends epoch 0 a second time.
+    again = EpochLogger(uri, run_id)
+    assert not again.log_epoch({"val_loss": 2.1, "global_step": 44}, 0)
+    assert "epoch 1 ended again after a restart" in capsys.readouterr().err
+    assert again.log_epoch({"val_loss": 1.5, "global_step": 88}, 1)
+
+    history = client.get_metric_history(run_id, "global_step")
+    assert [(m.step, m.value) for m in history] == [(0, 44.0), (1, 88.0)]
+    assert [m.value for m in client.get_metric_history(run_id, "val_loss")] == [2.0, 1.5]
