@@ -97,6 +97,7 @@ def speculative_stream(
         "same": tokens == expected,
         "acceptance": engine.acceptance_rate or 0.0,
         "forwards": engine.forwards,
+        "draft_forwards": engine.draft_forwards,
     }
 
 
@@ -233,9 +234,9 @@ def main() -> None:
     parser.add_argument("--config", default=str(ROOT / "configs" / "train" / "lm_serve.yaml"))
     parser.add_argument("--set", dest="overrides", action="append", default=[])
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--new-tokens", type=int, default=128)
-    parser.add_argument("--requests", type=int, default=24)
-    parser.add_argument("--rate", type=float, default=20.0)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--requests", type=int, default=48)
+    parser.add_argument("--rate", type=float, default=100.0)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--speculate", type=int, default=4)
     parser.add_argument("--draft-config", default=str(ROOT / "configs" / "train" / "lm_draft.yaml"))
@@ -265,7 +266,8 @@ def main() -> None:
             f"run {index + 1}: no cache {single[-1]['nocache_s']:.2f} s, KV cache "
             f"{single[-1]['kv_s']:.2f} s, transformers generate {hf[-1]['hf_s']:.2f} s, "
             f"draft {spec[-1]['spec_s']:.2f} s (accepted {spec[-1]['acceptance']:.0%}, "
-            f"{spec[-1]['forwards']} forwards), prompt lookup {lookup[-1]['spec_s']:.2f} s "
+            f"{spec[-1]['forwards']} forwards, {spec[-1]['draft_forwards']} of the draft), "
+            f"prompt lookup {lookup[-1]['spec_s']:.2f} s "
             f"(accepted {lookup[-1]['acceptance']:.0%}, {lookup[-1]['forwards']} forwards); "
             f"varied text sampled: plain {varied[-1]['plain_s']:.2f} s, draft "
             f"{varied[-1]['spec_s']:.2f} s (accepted {varied[-1]['acceptance']:.0%})",

@@ -240,6 +240,11 @@ def test_a_draft_model_keeps_greedy_output_and_a_perfect_draft_is_always_accepte
     # (and the draft catches up on its last, unread proposal each step).
     assert engine.acceptance_rate == 1.0
     assert engine.forwards <= 3 + 3 * 27 // (k + 1) + 3
+    # One stream: the draft reads its unread tokens in its first proposing forward, so a step
+    # costs k draft forwards, not k + 1.
+    engine = GenerationEngine(model, max_num_seqs=1, speculate=4, draft=copy.deepcopy(model))
+    assert engine.generate(prompts[0], greedy).output == plain[0]
+    assert engine.draft_forwards == 1 + 4 * (engine.forwards - 1)  # its prefill, then 4 a step
     # Sampled too: a proposal drawn from the model's own distribution is always kept.
     engine = GenerationEngine(model, max_num_seqs=2, speculate=3, draft=copy.deepcopy(model))
     sampled = [SamplingParams(max_tokens=10 + i, temperature=0.8, seed=i) for i in range(3)]

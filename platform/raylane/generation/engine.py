@@ -133,6 +133,7 @@ class GenerationEngine:
         self.running: dict[int, Sequence] = {}
         self._ids = itertools.count()
         self.forwards = 0  # batched forwards run (prefills + decode steps)
+        self.draft_forwards = 0  # the draft's (prompts, then about k per speculative step)
         self.tokens_generated = 0
         self.finished: Counter[str] = Counter()  # sequences ended, by finish reason
 
@@ -212,6 +213,7 @@ class GenerationEngine:
             if self.draft is not None:  # the draft reads the prompt too
                 self.draft_cache.reset(sequence.slot)
                 self.draft.extend(prompt, self.draft_cache, slot)
+                self.draft_forwards += 1
             events.append(self._advance(sequence, logits[0, -1]))
         return events
 
@@ -278,19 +280,29 @@ class GenerationEngine:
 
     def _draft_proposals(self, decoding: list[Sequence], slots: torch.Tensor, k: int):
         """k tokens per sequence from the draft model (k batched forwards) and, for sampled
-        requests, the draft distribution each was drawn from (None for greedy ones)."""
-        for sequence in decoding:  # tokens the draft has not read yet, but the last one
-            known = sequence.prompt + sequence.output
-            missing = known[int(self.draft_cache.lengths[sequence.slot]) : -1]
-            if missing:
-                self.draft.extend(
-                    torch.tensor([missing]), self.draft_cache, torch.tensor([sequence.slot])
-                )
+        requests, the draft distribution each was drawn from (None for greedy ones). The
+        first forward also reads what the draft has not read yet (after an accepted run, its
+        last proposal and the bonus token), one forward per lag among the sequences."""
         proposals: list[list[int]] = [[] for _ in decoding]
         drafted: list[list[torch.Tensor | None]] = [[] for _ in decoding]
-        last = torch.tensor([[s.output[-1]] for s in decoding])
-        for _ in range(k):
-            logits = self.draft.extend(last, self.draft_cache, slots)[:, -1]
+        first: list[torch.Tensor] = [None] * len(decoding)  # type: ignore[list-item]
+        lags: dict[int, list[int]] = {}
+        for index, sequence in enumerate(decoding):
+            unread = len(sequence.prompt) + len(sequence.output)
+            unread -= int(self.draft_cache.lengths[sequence.slot])
+            lags.setdefault(unread, []).append(index)
+        for unread, members in lags.items():
+            rows = [(decoding[i].prompt + decoding[i].output)[-unread:] for i in members]
+            group = self.draft.extend(torch.tensor(rows), self.draft_cache, slots[members])
+            self.draft_forwards += 1
+            for index, row in zip(members, group[:, -1], strict=True):
+                first[index] = row
+        logits = torch.stack(first)
+        for round_ in range(k):
+            if round_:
+                last = torch.tensor([[mine[-1]] for mine in proposals])
+                logits = self.draft.extend(last, self.draft_cache, slots)[:, -1]
+                self.draft_forwards += 1
             for sequence, row, mine, draws in zip(
                 decoding, logits, proposals, drafted, strict=True
             ):
@@ -301,7 +313,6 @@ class GenerationEngine:
                     q = probabilities(row, sequence.params)
                     mine.append(int(torch.multinomial(q, 1, generator=sequence.generator)))
                     draws.append(q)
-            last = torch.tensor([[mine[-1]] for mine in proposals])
         return proposals, drafted
 
     def _free(self, sequence: Sequence) -> None:
