@@ -231,7 +231,7 @@ def main() -> None:
     parser.add_argument("--base-steps", type=int, default=300, help="Base training steps.")
     parser.add_argument("--steps", type=int, default=100, help="Fine-tuning steps per run.")
     parser.add_argument("--context", type=int, default=64, help="Bytes per window.")
-    parser.add_argument("--batch", type=int, default=16, help="Rows per step (lm_lora.yaml's).")
+    parser.add_argument("--batch", type=int, default=16, help="Windows per step.")
     args = parser.parse_args()
     torch.set_num_threads(1)
     model = [f"model.input_dim={args.context}", f"training.batch_size={args.batch}"]

@@ -9,14 +9,32 @@ def test_an_epoch_that_ends_again_after_a_restart_is_logged_once(tmp_path, capsy
     run_id = client.create_run(client.create_experiment("restarts")).info.run_id
 
     first = EpochLogger(uri, run_id)
-    assert first.log_epoch({"val_loss": 2.0, "global_step": 44}, 0)
+    assert first.log_epoch({"val_loss": 2.0, "global_step": 44}, 0, again=True)  # none held
     # The group restarts from a checkpoint taken before epoch 0's end (a new logger, as in
     # the new group's rank 0), trains the last steps again and ends epoch 0 a second time.
     again = EpochLogger(uri, run_id)
-    assert not again.log_epoch({"val_loss": 2.1, "global_step": 44}, 0)
+    assert not again.log_epoch({"val_loss": 2.1, "global_step": 44}, 0, again=True)
     assert "epoch 1 ended again after a restart" in capsys.readouterr().err
     assert again.log_epoch({"val_loss": 1.5, "global_step": 88}, 1)
 
     history = client.get_metric_history(run_id, "global_step")
     assert [(m.step, m.value) for m in history] == [(0, 44.0), (1, 88.0)]
     assert [m.value for m in client.get_metric_history(run_id, "val_loss")] == [2.0, 1.5]
+
+
+def test_only_the_epoch_a_group_starts_in_is_checked_and_an_unreachable_store_skips_nothing(
+    tmp_path,
+):
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(uri)
+    run_id = client.create_run(client.create_experiment("resumed")).info.run_id
+    logger = EpochLogger(uri, run_id)
+    logger.log_epoch({"val_loss": 2.0}, 0)
+    # An epoch past the one the group started in is always logged (a run resumed from an
+    # older checkpoint records what it trains).
+    assert logger.log_epoch({"val_loss": 1.9}, 0, again=False)
+    assert len(client.get_metric_history(run_id, "val_loss")) == 2
+    # A store that cannot say what it holds: the epoch is logged (and waits for the store
+    # like any epoch), never dropped.
+    gone = EpochLogger(f"sqlite:///{tmp_path / 'missing' / 'mlflow.db'}", run_id, 0.0)
+    assert gone._holds(0) is False

@@ -279,7 +279,7 @@ class GenerationEngine:
         return events
 
     def _draft_proposals(self, decoding: list[Sequence], slots: torch.Tensor, k: int):
-        """k tokens per sequence from the draft model (k batched forwards) and, for sampled
+        """k tokens per sequence from the draft model (about k batched forwards) and, for sampled
         requests, the draft distribution each was drawn from (None for greedy ones). The
         first forward also reads what the draft has not read yet (after an accepted run, its
         last proposal and the bonus token), one forward per lag among the sequences."""

@@ -108,7 +108,6 @@ class EpochLogger:
         self._window_s = outage_window_s
         self._pending: list[Metric] = []
         self._down_since: float | None = None
-        self._epochs: set[int] | None = None  # epochs the run holds (read at the first epoch)
 
     def log_placement(self, placement: list[dict]) -> None:
         """Which node (and process) each rank runs on: the layout as it really was."""
@@ -151,17 +150,12 @@ class EpochLogger:
         if not self._flush():
             self._check_window()
 
-    def log_epoch(self, metrics: dict[str, float], epoch: int) -> bool:
-        """An epoch's metrics, once. A group restarted from a checkpoint taken before the
-        epoch ended (a resize, a preemption, a failure) trains its last steps again and reaches
-        the same end; the run keeps its first record of it. Whether they were logged now."""
-        if self._epochs is None:
-            try:
-                history = self._client.get_metric_history(self._run_id, EPOCH_KEY)
-                self._epochs = {m.step for m in history}
-            except Exception:  # noqa: BLE001 - an outage: `log` below waits it out as always
-                self._epochs = set()
-        if epoch in self._epochs:
+    def log_epoch(self, metrics: dict[str, float], epoch: int, again: bool = False) -> bool:
+        """An epoch's metrics, once. A group restarted from a checkpoint taken before the end
+        of the epoch it starts in (`again`: a resize, a preemption, a failure) trains that
+        epoch's last steps again and reaches the same end; if the run already holds that
+        epoch, its first record is kept. Whether the metrics were logged now."""
+        if again and self._holds(epoch):
             print(
                 f"raylane: epoch {epoch + 1} ended again after a restart; its metrics were "
                 "logged the first time and are kept as they are",
@@ -170,8 +164,16 @@ class EpochLogger:
             )
             return False
         self.log(metrics, step=epoch)
-        self._epochs.add(epoch)
         return True
+
+    def _holds(self, epoch: int) -> bool:
+        """Whether the run has `epoch`'s metrics (False when the store cannot say: an outage
+        is waited out by `log` as for any epoch)."""
+        try:
+            history = self._client.get_metric_history(self._run_id, EPOCH_KEY)
+        except Exception:  # noqa: BLE001
+            return False
+        return any(m.step == epoch for m in history)
 
     def close(self) -> None:
         """Send what is still pending, waiting for the server up to the outage window."""

@@ -381,7 +381,8 @@ def _train_epochs(strategy, model, optimizer, cfg, start, rank, epoch_logger, ma
         }
         if cfg.model.kind == "gpt":  # tokens are bytes: the loss in bits is bits per byte
             metrics["val_bits_per_byte"] = val_loss / math.log(2)
-        if epoch_logger is not None and epoch_logger.log_epoch(metrics, epoch):
+        again = epoch == start.epoch  # an earlier group may have ended it before a restart
+        if epoch_logger is not None and epoch_logger.log_epoch(metrics, epoch, again):
             split_history.append(metrics)
             epoch_logger.log_step_split(split_history)
             epoch_logger.log_tables(strategy.run_tables)
