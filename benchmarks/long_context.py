@@ -24,6 +24,7 @@ devices would give.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import socket
@@ -63,9 +64,10 @@ def _worker(rank: int, world: int, port: int, job: dict, results) -> None:
     for _ in range(job["steps"]):
         started = time.perf_counter()
         optimizer.zero_grad()
-        with meter:
-            loss = F.cross_entropy(model(inputs).reshape(-1, 256), targets.reshape(-1))
-        loss.backward()
+        with _loss_scope(job):
+            with meter:
+                loss = F.cross_entropy(model(inputs).reshape(-1, 256), targets.reshape(-1))
+            loss.backward()
         optimizer.step()
         seconds.append(time.perf_counter() - started)
     peaks = [None] * world
@@ -74,6 +76,7 @@ def _worker(rank: int, world: int, port: int, job: dict, results) -> None:
         step = statistics.median(seconds[1:])
         results.put({**job, "peak_bytes": max(peaks), "tokens_per_s": BATCH * length / step})
     dist.barrier()
+    dist.destroy_process_group()  # gloo's threads stopped before the process exits
 
 
 def _setup(model, job: dict, rank: int, world: int, length: int):
@@ -94,8 +97,19 @@ def _setup(model, job: dict, rank: int, world: int, length: int):
         from raylane.parallel.parallelize import apply_tensor_parallel
 
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
-        apply_tensor_parallel(model, mesh, job["sequence_parallel"])
+        sequence = job["sequence_parallel"]
+        apply_tensor_parallel(model, mesh, sequence, vocabulary_loss=sequence)
     return inputs, targets
+
+
+def _loss_scope(job: dict):
+    """Sequence parallelism's vocabulary-split head: the loss under torch's `loss_parallel`,
+    as raylane's training step runs it."""
+    if job.get("sequence_parallel"):
+        from raylane.parallel.parallelize import sharded_loss
+
+        return sharded_loss()
+    return contextlib.nullcontext()
 
 
 def run(job: dict, world: int) -> dict:

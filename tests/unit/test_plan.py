@@ -129,7 +129,7 @@ def test_an_unknown_catalog_field_is_refused(tmp_path):
         load_cluster(spec, catalog)
 
 
-def test_sequence_parallelism_divides_the_norm_and_residual_activations_by_tp():
+def test_sequence_parallelism_divides_the_norm_residual_and_logit_activations_by_tp():
     from dataclasses import replace
 
     from raylane.plan.cost import _activation_bytes
@@ -141,7 +141,8 @@ def test_sequence_parallelism_divides_the_norm_and_residual_activations_by_tp():
     assert (s, h) == (1024, 512)
     per_layer = {k: s * b * h * (k + 24 / t + 5 * a * s / (h * t)) * work.value_bytes / 2
                  for k in (10, 10 / t)}  # fmt: skip
-    saved = (per_layer[10] - per_layer[10 / t]) * work.shape.n_layers
+    logits = s * b * 256 * 4 * 2 * (1 - 1 / t)  # the head split over the vocabulary
+    saved = (per_layer[10] - per_layer[10 / t]) * work.shape.n_layers + logits
     assert _activation_bytes(work, plain, b) - _activation_bytes(work, sequence, b) == (
         pytest.approx(saved)
     )

@@ -90,13 +90,18 @@ def test_the_measured_model_splits_a_cp_workers_compute_and_adds_the_exposed_rin
     assert predicted.samples_per_s == pytest.approx(rows / predicted.step_s)  # one replica
     saved = (300_000 / 2 * 4 * rows + 30_000 * rows / 2) / 2**20
     assert predicted.activation_mb == pytest.approx(saved)
-    # Sequence parallelism: each LayerNorm's fp32 input on half the tokens, in every block.
+    # Sequence parallelism: in every block, each LayerNorm's fp32 input and the inputs q, k, v
+    # and the MLP's first linear keep on half the tokens; the model's end split in two.
     tp = ["parallelism.strategy=tp", "parallelism.pp=1", "parallelism.tp=2", "parallelism.dp=1"]
     plain = predict_config(PROFILE, _cfg(*tp))
     sequence = predict_config(PROFILE, _cfg(*tp, "parallelism.sequence_parallel=true"))
-    layernorms = 2 * 64 * 64 * 4 * (1 - 1 / 2) * 4 * 32 / 2**20  # 4 blocks, 32 rows
-    assert plain.activation_mb - sequence.activation_mb == pytest.approx(layernorms)
-    assert plain.step_s == sequence.step_s  # the same bytes: reduce-scatter + all-gather
+    blocks = 6 * 64 * 64 * 4 * (1 - 1 / 2) * 4 * 32  # 4 blocks, 32 rows of 64 tokens
+    ends = 30_000 * 32 * (1 - 1 / 2)
+    assert plain.activation_mb - sequence.activation_mb == pytest.approx((blocks + ends) / 2**20)
+    # Reduce-scatter + all-gather move an all-reduce's bytes; backward's second gather of q,
+    # k, v and the MLP's inputs is two all-reduces' more per block.
+    regather = 4 * 2 * (1 * MS + 1e-9 * 32 * 64 * 64 * 4)
+    assert sequence.step_s - plain.step_s == pytest.approx(regather)
 
 
 def test_lm_long_outgrows_an_activation_budget_that_cp_2_fits(tmp_path):

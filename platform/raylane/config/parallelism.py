@@ -124,8 +124,10 @@ class ParallelismConfig(StrictModel):
         False,
         description="With tp > 1: each tensor-parallel block's LayerNorms and residual adds "
         "work on 1/tp of the sequence (Megatron-style sequence parallelism): its all-reduces "
-        "become reduce-scatter + all-gather (the same bytes) and the activations those regions "
-        "keep for backward shrink by tp (tp, fsdp x tp, 3D).",
+        "become reduce-scatter + all-gather (the same bytes), its column-wise matmuls keep "
+        "only their input's shard for backward (gathering it again there), and outside a "
+        "pipeline the head is split over the vocabulary (torch's loss_parallel), so what "
+        "blocks and head keep for backward shrinks by about tp (tp, fsdp x tp, 3D).",
     )
     grad_compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = Field(
         "none",

@@ -7,6 +7,7 @@ strategy's name.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -120,6 +121,11 @@ class StrategyDefaults:
         """After the optimizer step (local SGD averages the parameters here)."""
         return None
 
+    def loss_scope(self) -> contextlib.AbstractContextManager:
+        """Where the loss and its backward run (a vocabulary-split head's loss needs torch's
+        `loss_parallel`: `raylane.parallel.mesh_parallel`)."""
+        return contextlib.nullcontext()
+
     def ring_wait_s(self) -> float:
         """Seconds the last step's forward and backward waited for context parallelism's
         ring transfers (counted apart from compute)."""
@@ -136,10 +142,11 @@ class StrategyDefaults:
         optimizer.zero_grad(set_to_none=True)
         with autocast(self.precision, self.device):
             outputs = model(inputs.to(self.device))
-        loss = loss_fn(outputs.float(), targets.to(self.device))
-        backward_started = time.perf_counter()
-        loss.backward()
-        backward_done = time.perf_counter()
+        with self.loss_scope():
+            loss = loss_fn(outputs.float(), targets.to(self.device))
+            backward_started = time.perf_counter()
+            loss.backward()
+            backward_done = time.perf_counter()
         self.sync_gradients(model)
         synced = time.perf_counter()
         if self.steps_optimizer:

@@ -54,6 +54,9 @@ class MeshParallel(StrategyDefaults):
         self.ring = self._ring_meter()
         self.ring_waited_s = 0.0
         self.replicas = self.mesh.dims.dp_replicate * self.cp
+        # Sequence parallelism runs the model's end on shards too: the head's logits are split
+        # over the vocabulary and the loss is torch's `loss_parallel`.
+        self.vocabulary_loss = self.mesh.dims.sequence_parallel
         if self.replicas > 1:
             from raylane.parallel.grad_compression import GroupAverager
 
@@ -72,7 +75,15 @@ class MeshParallel(StrategyDefaults):
             activation_checkpointing=self.activation_checkpointing,
             precision=self.precision,
             ring_traffic=self.ring,
+            vocabulary_loss=self.vocabulary_loss,
         )
+
+    def loss_scope(self):
+        if not self.vocabulary_loss:
+            return super().loss_scope()
+        from raylane.parallel.parallelize import sharded_loss
+
+        return sharded_loss()
 
     def _ring_meter(self):
         if self.cp == 1:
@@ -105,7 +116,10 @@ class MeshParallel(StrategyDefaults):
         self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     ) -> torch.Tensor | None:
         with autocast(self.precision, self.device):
-            outputs = model(inputs.to(self.device)).float().cpu()  # every tp worker takes part
+            outputs = model(inputs.to(self.device))  # every tp worker takes part
+        if self.vocabulary_loss:  # each worker's logits are its share of the vocabulary
+            outputs = outputs.full_tensor()
+        outputs = outputs.float().cpu()
         if self.ring is not None:  # an evaluation's ring waits belong to no training step
             self.ring_waited_s = self.ring.wait_s
         return outputs if self.reports_loss else None

@@ -35,20 +35,38 @@ if TYPE_CHECKING:
 
 
 def apply_tensor_parallel(
-    model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool = False
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    sequence_parallel: bool = False,
+    vocabulary_loss: bool = False,
 ) -> nn.Module:
     """Split every block of a GPT (or of a stage) over `tp_mesh` by the model's plan, in place;
-    with `sequence_parallel`, the blocks' norms and residuals over sequence shards."""
+    with `sequence_parallel`, the blocks' norms and residuals over sequence shards, and with
+    `vocabulary_loss` too (a whole model whose loss runs under torch's `loss_parallel`:
+    `sharded_loss`) its final norm on the shards and its head split over the vocabulary."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from raylane.models.gpt_plan import block_io, block_plan
+    from raylane.models.gpt_plan import block_io, block_plan, head_plan
 
-    if tp_mesh.size() > 1:
-        for block in model.blocks.values():
-            parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
-            if sequence_parallel:
-                parallelize_module(block, tp_mesh, block_io())
+    if tp_mesh.size() == 1:
+        return model
+    blocks = list(model.blocks.values())
+    ends = sequence_parallel and vocabulary_loss and model.head is not None
+    for index, block in enumerate(blocks):
+        parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
+        if sequence_parallel:
+            parallelize_module(block, tp_mesh, block_io(last=ends and index == len(blocks) - 1))
+    if ends:
+        parallelize_module(model, tp_mesh, head_plan())
     return model
+
+
+def sharded_loss():
+    """The context a vocabulary-split head's loss and its backward run in (torch's
+    `loss_parallel`: the softmax over the classes each worker holds, combined by all-reduces)."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def apply_context_parallel(
@@ -95,14 +113,17 @@ def parallelize(
     activation_checkpointing: bool = False,
     precision: str = "fp32",
     ring_traffic=None,
+    vocabulary_loss: bool = False,
 ) -> nn.Module:
     """Apply the layout's parallelisms to `model` in order (in place; returns it). `mesh` is
     None for layouts whose workers each hold the whole model (nothing to split or shard).
-    `ring_traffic` measures context parallelism's ring (`apply_context_parallel`)."""
+    `ring_traffic` measures context parallelism's ring (`apply_context_parallel`);
+    `vocabulary_loss`: the caller computes the loss under `sharded_loss`, so a
+    sequence-parallel model's head may return vocabulary-sharded logits."""
     if mesh is not None and mesh.dims.cp_enabled:
         apply_context_parallel(model, mesh.cp_group, mesh.cp_rank, mesh.dims.cp, ring_traffic)
     if mesh is not None and mesh.dims.tp_enabled:
-        apply_tensor_parallel(model, mesh.tp_mesh, mesh.dims.sequence_parallel)
+        apply_tensor_parallel(model, mesh.tp_mesh, mesh.dims.sequence_parallel, vocabulary_loss)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
     if mesh is not None and mesh.dims.fsdp_enabled:

@@ -23,15 +23,17 @@ layouts average one buffer once backward is over, as tensor-parallel replicas do
 Activation memory follows Korthikanti et al., "Reducing Activation Recomputation in Large
 Transformer Models" (MLSys 2023), eq. 2: s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes per layer for
 16-bit activations, 2·s·b·h with full recomputation (plus, once, the whole activations of the
-block being recomputed in backward); with sequence parallelism (their eq. 4)
-the norm and residual regions' 10·s·b·h are divided by t too, for the same tensor-parallel
-bytes (a reduce-scatter and an all-gather in place of each all-reduce), so sequence
-parallelism changes memory, never the predicted time. The formula's 5·a·s²·b/t term is the
-score matrix that attention without a fused kernel saves; under context parallelism s is the
-worker's T/cp and ring attention saves no scores (its backward recomputes them from the
-log-sum-exp it keeps), so that term is replaced by what the kernel does hold: the log-sum-exp,
-fp32 copies of q, k, v and its output under bf16, and one ring step's fp32 (T/cp)² blocks
-per head while a layer computes.
+block being recomputed in backward); with sequence parallelism (their eq. 4) the norm and
+residual regions' 10·s·b·h are divided by t too, for the same tensor-parallel bytes (a reduce-
+scatter and an all-gather in place of each all-reduce), so sequence parallelism changes memory,
+never the predicted time (the backward's second all-gather of the matmuls' inputs overlaps their
+weight gradients); outside a pipeline the head is split over the vocabulary too, so the fp32
+logits and their softmax are divided by t. The formula's 5·a·s²·b/t term is the score matrix
+that attention without a fused kernel saves; under context parallelism s is the worker's T/cp
+and ring attention saves no scores (its backward recomputes them from the log-sum-exp it keeps),
+so that term is replaced by what the kernel does hold: the log-sum-exp, fp32 copies of q, k, v
+and its output under bf16, and one ring step's fp32 (T/cp)² blocks per head while a layer
+computes.
 """
 
 from __future__ import annotations
@@ -294,6 +296,8 @@ def _activation_bytes(work: Workload, layout: Layout, micro_rows: float) -> floa
     else:
         in_flight = min(layout.pp, layout.microbatches)
     logits = s * micro_rows * work.shape.vocab_size * 4 * 2  # fp32 logits and their softmax
+    if layout.dims.sequence_parallel and layout.pp == 1:  # the head split over the vocabulary
+        logits /= t
     layers = per_layer * (work.shape.n_layers / layout.pp) * in_flight
     return layers + recomputed + logits + ring_working
 

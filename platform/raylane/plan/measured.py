@@ -37,8 +37,9 @@ Memory is the worker's resident baseline plus model state (parameters, gradients
 state, sharded as the strategy shards them) plus the activations autograd saves (per row, as
 profiled) for the micro-batches a stage holds at once: 1/cp of them under context parallelism
 (activations are linear in T: attention saves its output and log-sum-exp, never T x T
-scores), and with sequence parallelism the two LayerNorms' inputs (fp32, T x d each) on 1/tp
-of the tokens.
+scores), and with sequence parallelism six T x d inputs per block (the two LayerNorms', and
+those q, k, v and the MLP's first linear keep for backward) on 1/tp of the tokens, and outside
+a pipeline the model's end (final norm, head, logits and their softmax) split tp ways.
 
 The profile measures fp32. With `training.precision: bf16` the parameters, gradients and
 optimizer state stay fp32 (`raylane.parallel.precision`); what changes is predicted from
@@ -245,8 +246,12 @@ def _compute_parts(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> dict[str
     tp_comm = 0.0
     if shape.tp > 1:
         # Two all-reduces per block forward and two backward; the recomputed forward's two
-        # more. A wrapped block's profiled time holds the first four.
+        # more. A wrapped block's profiled time holds the first four. Sequence parallelism
+        # turns each into a reduce-scatter + all-gather (the same bytes) and gathers the
+        # sequence again in backward for q, k, v and the MLP's first linear (4 all-gathers:
+        # the bytes of 2 all-reduces).
         per_block = (0 if shape.wrapped is not None else 4) + (2 if recompute else 0)
+        per_block += 2 if shape.sequence_parallel else 0
         tp_comm = (
             shape.stage_layers * per_block * _link(level.get("all_reduce"), shape.activation_bytes)
         )
@@ -342,11 +347,14 @@ def _activation_bytes(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float
     par, bf16 = cfg.parallelism, cfg.training.precision == "bf16"
     in_flight = shape.micro if par.schedule == "gpipe" else min(shape.pp, shape.micro)
     ends_activations = profile["ends_activation_bytes_per_row"] * shape.rows / shape.cp
+    if shape.sequence_parallel and not shape.pipelined:  # final norm, head and loss split
+        ends_activations /= shape.tp
     if cfg.training.activation_checkpointing:  # each block keeps only its input
         return shape.activation_bytes * shape.stage_layers * in_flight + ends_activations
     per_layer = profile["block_activation_bytes_per_row"] / shape.cp
     if bf16:
         per_layer *= _BF16_BLOCK_ACTIVATIONS
-    if shape.sequence_parallel:  # the two LayerNorms' fp32 inputs, on 1/tp of the tokens
-        per_layer -= 2 * shape.tokens * cfg.model.d_model * _FP32 * (1 - 1 / shape.tp)
+    if shape.sequence_parallel:  # on 1/tp of the tokens: the two LayerNorms' fp32 inputs
+        # and the inputs q, k, v and the MLP's first linear keep for backward
+        per_layer -= 6 * shape.tokens * cfg.model.d_model * _FP32 * (1 - 1 / shape.tp)
     return (per_layer * shape.stage_layers * shape.rows + ends_activations) * in_flight
