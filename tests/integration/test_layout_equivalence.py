@@ -55,6 +55,8 @@ LAYOUTS = {
     # Sequence parallelism: the blocks' norms and residuals on sequence shards.
     "tp2-sp": {"strategy": "tp", "tp": 2, "dp": 1, "sequence_parallel": True},
     "fsdp2-tp2-sp": {"strategy": "fsdp", "tp": 2, "dp": 2, "sequence_parallel": True},
+    # Each worker's chunks of the sequence, cut again along it inside the blocks.
+    "cp2-tp2-sp": {"strategy": "tp", "dp": 1, "cp": 2, "tp": 2, "sequence_parallel": True},
     "3d-dp2-pp2-tp2-sp": {
         "strategy": "hybrid",
         "schedule": "1f1b",
