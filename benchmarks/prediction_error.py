@@ -4,9 +4,11 @@ One run: every strategy raylane has on the byte-level GPT at 2 and 4 workers (dd
 fsdp x tp, pipeline with GPipe and 1F1B, hybrid, local SGD, ssp) is measured as a `raylane
 tune` trial would be (predict off, no early stopping, one at a time on a local 2-CPU Ray), and
 predicted from one profile of the same cluster (`raylane.plan.measured`). Each prediction is
-shown raw (the profile alone) and calibrated the way `raylane tune` calibrates it, by the
-measurement of one layout (ddp on 2 workers, the first). The last line is one JSON object:
-the median |predicted - measured| / measured step time per strategy and overall.
+shown raw (the profile alone) and calibrated the way `raylane tune`'s searcher calibrates it
+while it searches: by the layouts measured before it (the median of their measured/predicted
+ratios, `raylane.tune.calibration.pooled`), in the order they ran (ddp on 2 workers first,
+which nothing calibrates and which is not scored). The last line is one JSON object: the
+median |predicted - measured| / measured step time per strategy and overall.
 
     python benchmarks/prediction_error.py [--epochs 4] [--steps 16] [--save FILE]
     python benchmarks/prediction_error.py --figures-from FILE   # re-predict a saved run
@@ -25,7 +27,7 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from raylane.tune.calibration import measured_calibration
+from raylane.tune.calibration import measured_calibration, pooled
 from raylane.tune.search import run_search
 from raylane.tune.spec import TuneSpec
 
@@ -121,20 +123,23 @@ def score(run: dict) -> dict:
         for t in measured
     }
     reference = next(t for t in measured if t["key"].startswith("ddp-w2"))
-    calibration = measured_calibration(
-        reference["key"], raw[reference["key"]], reference["step_ms"], reference["data_wait_ms"],
-        None,
-    )  # fmt: skip
+    own = {
+        t["key"]: measured_calibration(t["key"], raw[t["key"]], t["step_ms"], t["data_wait_ms"],
+                                       None)
+        for t in measured
+    }  # fmt: skip
     by_strategy: dict[str, list[float]] = defaultdict(list)
     raw_by_strategy: dict[str, list[float]] = defaultdict(list)
     print(f"{'layout':34s} {'':9s}" + "".join(f"{p:>10s}" for p in ("step", *PARTS)))
-    for trial in measured:
+    for index, trial in enumerate(measured):
         key, step_ms = trial["key"], trial["step_ms"]
+        before = [own[t["key"]] for t in measured[:index]]  # what the searcher knew by then
+        calibration = pooled(before) if before else own[key]
         calibrated = calibration.apply(raw[key])
         error = (calibrated.step_ms - step_ms) / step_ms
         raw_error = (raw[key].step_ms - step_ms) / step_ms
         strategy = key.split("-")[0] + ("xtp" if "-tp2-" in key and key.startswith("fsdp") else "")
-        if key != calibration.layout:
+        if before:
             by_strategy[strategy].append(abs(error))
         raw_by_strategy[strategy].append(abs(raw_error))
         parts = {p: 1000 * calibrated.parts.get(p, 0.0) for p in PARTS}
@@ -148,9 +153,11 @@ def score(run: dict) -> dict:
             print(f"{trial['key']:34s} {trial['status']}: {trial['detail']}")
     everything = [e for errors in by_strategy.values() for e in errors]
     repeat = run.get("calibration_repeat_ms")
+    calibration = pooled(list(own.values()))
     return {
         "layouts": len(measured),
-        "calibrated_by": calibration.layout,
+        "calibrated_by": "the layouts measured before each (median ratio)",
+        "first_scale": round(own[measured[0]["key"]].step_scale, 3),
         "calibration_repeat_error": (
             round(abs(repeat - reference["step_ms"]) / reference["step_ms"], 3) if repeat else None
         ),

@@ -73,7 +73,7 @@ def test_only_the_top_k_predicted_are_measured_and_predictions_sit_next_to_measu
 
     # The one trial that ran calibrates the rest; its prediction then equals its measurement.
     (ok,) = [t for t in outcome.trials if t.status == "ok"]
-    assert outcome.calibration is not None and outcome.calibration.layout == ok.candidate.key
+    assert outcome.calibration is not None and outcome.calibration.layouts == (ok.candidate.key,)
     assert ok.step_ms > 0 and ok.predicted.step_ms == pytest.approx(ok.step_ms)
     assert 0.2 < outcome.calibration.step_scale < 5  # the profile is the right magnitude
 

@@ -203,11 +203,17 @@ def test_search_table_and_csv_put_predictions_next_to_measurements(tmp_path):
         for c, ms in ((first, 2 * work_ms + 5.0), (second, 50.0))
     ]
     calibration = _calibrate(measured, [c.key for c in ranking.launch])
-    assert calibration.layout == first.key and calibration.step_scale == pytest.approx(2.0)
+    # The median of the two trials' ratios; each trial's own prediction by the other's.
+    second_scale = (50.0 - 5.0) / second_raw
+    assert calibration.layouts == (first.key, second.key)
+    assert calibration.step_scale == pytest.approx((2.0 + second_scale) / 2)
     assert calibration.data_wait_s == pytest.approx(5e-3)
-    assert measured[0].step_error == pytest.approx(0.0)
+    assert measured[0].predicted.step_ms == pytest.approx(second_scale * work_ms + 5.0)
     assert measured[1].predicted.step_ms == pytest.approx(2 * second_raw + 5.0)
-    assert measured[0].predicted.memory_mb == pytest.approx(600.0)
+    offset = 600.0 - ranking.predictions[second.key].memory_mb  # what the second measured
+    assert measured[0].predicted.memory_mb == pytest.approx(
+        ranking.predictions[first.key].memory_mb + offset
+    )
     not_run = [
         TrialOutcome(c, "not run", predicted=ranking.predictions[c.key]) for c in ranking.not_run
     ]
@@ -215,9 +221,11 @@ def test_search_table_and_csv_put_predictions_next_to_measurements(tmp_path):
     console = Console(record=True, width=250)
     print_table(outcome, console)
     text = " ".join(console.export_text().split())
-    assert "predictions: profile run ffff" in text and "step work x2.00" in text
+    assert "predictions: profile run ffff" in text
+    assert f"step work x{(2.0 + second_scale) / 2:.2f}" in text
     assert "input wait 5.0 ms per step" in text
-    assert "median |predicted - measured| step time of the others" in text
+    assert "from the median of 2 measured trials" in text
+    assert "median |predicted - measured| step time, each by the others" in text
     table = rows(outcome)
     assert [r["status"] for r in table].count("not run") == len(ranking.not_run)
     assert all(r["predicted_step_ms"] > 0 for r in table)

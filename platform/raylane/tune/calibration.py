@@ -1,9 +1,11 @@
-"""What a measured trial says about the profile's predictions: the throughput metric trials
-report, and the calibration one measured layout gives the rest (used by the search and by the
+"""What measured trials say about the profile's predictions: the throughput metric trials
+report, and the calibration the measured layouts give the rest (used by the search and by the
 predicted-first searcher alike)."""
 
 from __future__ import annotations
 
+import statistics
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from raylane.plan.measured import LocalPrediction
@@ -13,15 +15,21 @@ METRIC = "train_samples_per_s"
 
 @dataclass(frozen=True)
 class Calibration:
-    """What the first measured trial showed the profile-only predictions miss."""
+    """What measured trials showed the profile-only predictions miss."""
 
-    layout: str
+    layouts: tuple[str, ...]  # the measured layouts it comes from
     step_scale: float  # measured / predicted step time, input wait left out
     data_wait_s: float  # measured wait for input per step
     memory_offset_mb: float  # measured - predicted peak worker memory
 
     def apply(self, predicted: LocalPrediction) -> LocalPrediction:
         return predicted.calibrated(self.step_scale, self.data_wait_s, self.memory_offset_mb)
+
+    def source(self) -> str:
+        """Where it comes from, for the console."""
+        if len(self.layouts) == 1:
+            return f"{self.layouts[0]}'s measurement"
+        return f"the median of {len(self.layouts)} measured trials"
 
 
 def measured_calibration(
@@ -34,8 +42,23 @@ def measured_calibration(
     """What one measured layout says about the profile's predictions."""
     wait_ms = min(data_wait_ms or 0.0, step_ms)
     return Calibration(
-        layout=layout,
+        layouts=(layout,),
         step_scale=(step_ms - wait_ms) / predicted.step_ms,
         data_wait_s=wait_ms / 1000,
         memory_offset_mb=(peak_mb or predicted.memory_mb) - predicted.memory_mb,
+    )
+
+
+def pooled(calibrations: Sequence[Calibration]) -> Calibration:
+    """The median of several measured layouts' calibrations. One trial's step time moves 10-20 %
+    between two measurements on a shared machine (benchmarks/README.md, prediction_error), and
+    calibrating by that one moves every prediction with it; the median of each measured
+    layout's measured/predicted ratio moves less with each trial measured."""
+    if not calibrations:
+        raise ValueError("pooled: no measured trial to calibrate by")
+    return Calibration(
+        layouts=tuple(layout for c in calibrations for layout in c.layouts),
+        step_scale=statistics.median(c.step_scale for c in calibrations),
+        data_wait_s=statistics.median(c.data_wait_s for c in calibrations),
+        memory_offset_mb=statistics.median(c.memory_offset_mb for c in calibrations),
     )

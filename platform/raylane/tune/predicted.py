@@ -13,7 +13,7 @@ from ray.tune.search import Searcher
 
 from raylane.config import ConfigError
 from raylane.plan.measured import LocalPrediction, ProfileMismatch, predict_config
-from raylane.tune.calibration import METRIC, measured_calibration
+from raylane.tune.calibration import METRIC, Calibration, measured_calibration, pooled
 from raylane.tune.candidates import Candidate, Pruned, trial_config
 from raylane.tune.spec import TuneSpec
 
@@ -123,7 +123,8 @@ class PredictedFirst(Searcher):
         self.running: dict[str, str] = {}  # trial id -> layout
         self.epochs: dict[str, list[dict]] = {}  # layout -> its reported epochs
         self.best: tuple[str, float] | None = None  # layout, measured samples/s
-        self.calibrate = None  # LocalPrediction -> LocalPrediction, from the first measured
+        self.calibrate = None  # LocalPrediction -> LocalPrediction, from those measured
+        self.calibrations: list[Calibration] = []  # one per measured layout
         self.skipped: dict[str, str] = {}  # layout -> why it was not measured
 
     def suggest(self, trial_id: str):
@@ -162,8 +163,9 @@ class PredictedFirst(Searcher):
         samples_per_s = statistics.median(e[METRIC] for e in measured)
         if self.best is None or samples_per_s > self.best[1]:
             self.best = (key, samples_per_s)
-        if self.calibrate is None and "step_ms" in measured[0]:
+        if "step_ms" in measured[0]:
             step_ms = statistics.median(e["step_ms"] for e in measured)
             wait_ms = statistics.median(e.get("step_data_wait_ms", 0.0) for e in measured)
             calibration = measured_calibration(key, self.predictions[key], step_ms, wait_ms, None)
-            self.calibrate = calibration.apply
+            self.calibrations.append(calibration)
+            self.calibrate = pooled(self.calibrations).apply

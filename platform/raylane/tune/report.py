@@ -119,8 +119,8 @@ def print_table(outcome: SearchOutcome, console: Console) -> None:
 
 
 def prediction_summary(outcome: SearchOutcome) -> str:
-    """Where the predictions come from and how far off they were for the other measured
-    trials (the calibrating trial matches by construction)."""
+    """Where the predictions come from and how far off they were for the measured trials,
+    each calibrated by the others (one trial alone matches by construction)."""
     summary = f"predictions: profile run {outcome.profile_run_id}"
     calibration = outcome.calibration
     if calibration is None:
@@ -128,15 +128,18 @@ def prediction_summary(outcome: SearchOutcome) -> str:
     summary += (
         f", step work x{calibration.step_scale:.2f}, input wait "
         f"{calibration.data_wait_s * 1e3:.1f} ms per step and memory "
-        f"{calibration.memory_offset_mb:+.0f} MB from {calibration.layout}'s measurement"
+        f"{calibration.memory_offset_mb:+.0f} MB from {calibration.source()}"
     )
+    alone = calibration.layouts if len(calibration.layouts) == 1 else ()
     errors = [
         abs(t.step_error)
         for t in outcome.trials
-        if t.step_error is not None and t.candidate.key != calibration.layout
+        if t.step_error is not None and t.candidate.key not in alone
     ]
     if errors:
-        summary += f"; median |predicted - measured| step time of the others: {median(errors):.0%}"
+        summary += (
+            f"; median |predicted - measured| step time, each by the others: {median(errors):.0%}"
+        )
     return summary
 
 

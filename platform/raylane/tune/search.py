@@ -12,7 +12,7 @@ from typing import Any
 
 from raylane.plan.measured import LocalPrediction
 from raylane.runtime import verbose
-from raylane.tune.calibration import METRIC, Calibration, measured_calibration
+from raylane.tune.calibration import METRIC, Calibration, measured_calibration, pooled
 from raylane.tune.candidates import (
     TRIAL_DRIVER_CPU,
     Candidate,
@@ -298,20 +298,26 @@ def _tuner(spec: TuneSpec, by_key: dict[str, Candidate], predictions):
 
 
 def _calibrate(trials: list[TrialOutcome], order: list[str]) -> Calibration | None:
-    """Correct every prediction by the best-predicted measured trial: the profile times the
-    model alone, while a run also feeds it through Ray Data, whose threads share the cores
-    (a factor on the step's work) and whose wait is part of the step (added per step)."""
+    """Correct every prediction by the measured trials (the median of their measured /
+    predicted ratios: `raylane.tune.calibration.pooled`): the profile times the model alone,
+    while a run also feeds it through Ray Data, whose threads share the cores (a factor on
+    the step's work) and whose wait is part of the step (added per step). A measured trial's
+    own prediction is calibrated by the others (when there are others), so the error shown next
+    to it is one the calibration did not fit."""
     by_key = {t.candidate.key: t for t in trials}
-    first = next(
-        (by_key[k] for k in order if k in by_key and by_key[k].step_ms and by_key[k].predicted),
-        None,
-    )
-    if first is None:
+    own = {
+        key: measured_calibration(
+            key, by_key[key].predicted, by_key[key].step_ms, by_key[key].data_wait_ms,
+            by_key[key].peak_rss_mb,
+        )
+        for key in order
+        if key in by_key and by_key[key].step_ms and by_key[key].predicted
+    }  # fmt: skip
+    if not own:
         return None
-    calibration = measured_calibration(
-        first.candidate.key, first.predicted, first.step_ms, first.data_wait_ms, first.peak_rss_mb
-    )
+    calibration = pooled(list(own.values()))
     for trial in trials:
         if trial.predicted is not None:
-            trial.predicted = calibration.apply(trial.predicted)
+            others = [c for key, c in own.items() if key != trial.candidate.key]
+            trial.predicted = (pooled(others) if others else calibration).apply(trial.predicted)
     return calibration
