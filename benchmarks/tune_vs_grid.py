@@ -10,8 +10,8 @@ throughput of the planner's pick / the grid's best throughput (the same measurem
 so noise between runs does not enter); cost_ratio = planner wall time (profile included) /
 grid wall time; median_pred_error = median over every grid layout of |planner's predicted -
 grid's measured| / measured step time (median of the measured epochs); the raw figure is the
-same before the planner's one-factor calibration by its first trial. The last line is one
-JSON object.
+same before the planner's one-factor calibration by its measured trials (the pooled factor
+divided out). The last line is one JSON object.
 
     python benchmarks/tune_vs_grid.py [--epochs 6] [--steps 6]
 """

@@ -260,8 +260,10 @@ def _compute_parts(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> dict[str
         compute = blocks + _fit(level["ends"], rows / shape.cp) + optimizer + tp_comm
         return {"compute": compute, "bubble": 0.0, "comm": 0.0}
     pp, micro = shape.pp, shape.micro
-    last = shape.stage_layers * block_s(rows) + _fit(level["ends"], rows) + tp_comm
-    first = shape.stage_layers * block_s(rows) + tp_comm
+    once = _fsdp_once_a_step(level, shape, cfg)  # per block: paid once a step, not per micro
+    stage = shape.stage_layers * (block_s(rows) - once) + tp_comm
+    last, first = stage + _fit(level["ends"], rows), stage
+    optimizer += shape.stage_layers * once
     send = 2 * _link(profile.get("p2p"), shape.activation_bytes)
     # The schedule's own cost (sends, receives, its Python), measured on two stages.
     schedule = level.get("schedules", {}).get(cfg.parallelism.schedule)
@@ -271,6 +273,20 @@ def _compute_parts(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> dict[str
         "bubble": (pp - 1) * first,
         "comm": overhead + micro * send,
     }
+
+
+def _fsdp_once_a_step(level: dict, shape: _Shape, cfg: RaylaneConfig) -> float:
+    """The part of an FSDP block's fixed cost a pipeline stage pays once a step rather than per
+    micro-batch. A wrapped block's profiled forward + backward holds 3 collectives (two
+    all-gathers, a reduce-scatter) and FSDP's hooks, beyond the plain block's fixed cost; inside
+    torch's pipeline stage, backward keeps the parameters gathered and reduce-scatters once, at
+    the last micro-batch, so a step of m micro-batches runs about m + 2 of the 3m collectives
+    (each forward's or backward's gather, plus the first backward's and the reduce-scatter):
+    a third per micro-batch, two thirds once. Predicted per micro-batch, pipeline x FSDP came
+    out 70-83 % slow in two of three runs (benchmarks/README.md, prediction_error)."""
+    if shape.wrapped is None or not ParallelDims.from_parallelism(cfg.parallelism).fsdp_enabled:
+        return 0.0
+    return 2 / 3 * max(shape.wrapped["fixed_s"] - level["block"]["fixed_s"], 0.0)
 
 
 def _optimizer_s(level: dict, shape: _Shape) -> float:

@@ -7,8 +7,7 @@ sharing a node's cores are measured sharing them:
 
 * one transformer block's forward+backward and forward alone, and the model's ends (embeddings,
   final norm, head and loss), at a few row counts, fitted as fixed + per-row seconds;
-* an optimizer step, per parameter (these two at the level's start and again at its end, the
-  faster kept: `_keep_faster`);
+* an optimizer step, per parameter;
 * an all-reduce over the `k` workers at several sizes, fitted as alpha + beta * bytes;
 * the whole model under DistributedDataParallel over the `k` workers, timed as raylane's data
   parallel strategy times it: what backward waits for after its last gradient bucket is ready
@@ -19,6 +18,9 @@ sharing a node's cores are measured sharing them:
   by the runs' own `parallelize` and timed at the same row counts (`raylane.plan.profile_layouts`);
 * a push of the model's gradients to a parameter shard (the async and ssp strategies' own
   actor) and the parameters' return, all `k` workers pushing at once.
+
+The blocks (plain and wrapped) and the optimizer are timed at the level's start and again at
+its end, and the faster of the two is kept (`_keep_faster`).
 
 Once, at full concurrency: a point-to-point exchange between ranks 0 and 1 (alpha + beta), the
 bytes autograd saves per row in a block and in the ends with the loss (fp32 logits and their
@@ -268,8 +270,12 @@ def profile_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
                 level["schedules"] = time_schedules(
                     cfg, rank, pair, MICROBATCHES, SCHEDULE_ROWS, _median_s
                 )
-            _keep_faster(level, {"compute": _time_compute(cfg, sync),
-                                 "optimizer": _time_optimizer(cfg, sync)})  # fmt: skip
+            again = {"compute": _time_compute(cfg, sync), "optimizer": _time_optimizer(cfg, sync)}
+            if meshes.get(k):
+                again["wrapped"], again["wrapped_optimizer"] = time_wrapped_blocks(
+                    cfg, meshes[k], ROWS, _median_s, sync
+                )
+            _keep_faster(level, again)
             mine["levels"][k] = level
         _wait_for_level(rank, k, distributed)
     torch.set_num_threads(worker_threads(cfg, world))
@@ -286,15 +292,18 @@ def profile_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _keep_faster(level: dict[str, Any], again: dict[str, Any]) -> None:
-    """Each plain timing of a level, measured at its start and again at its end, kept at the
-    faster of the two: a few hundred milliseconds of work, which a passing disturbance (Ray's
-    own processes still starting, another job's burst) can double, and did in one profile out
-    of seven (its 2-worker plain block at twice the wrapped blocks' pace, and every plain-block
-    layout predicted 64-99 % slow against 18-22 % for the wrapped ones)."""
-    for part, by_rows in again["compute"].items():
-        for rows, seconds in by_rows.items():
-            level["compute"][part][rows] = min(level["compute"][part][rows], seconds)
+    """Each block and optimizer timing of a level, measured at its start and again at its end,
+    kept at the faster of the two: each is a few hundred milliseconds of work, which a passing
+    disturbance (Ray's own processes still starting, another job's burst) can double, and did
+    in one profile out of seven (its 2-worker plain block at twice the wrapped blocks' pace:
+    every plain-block layout predicted 64-99 % slow against 18-22 % for the wrapped ones)."""
+    for key in ("compute", "wrapped"):
+        for name, by_rows in again.get(key, {}).items():
+            for rows, seconds in by_rows.items():
+                level[key][name][rows] = min(level[key][name][rows], seconds)
     level["optimizer"] = min(level["optimizer"], again["optimizer"])
+    for name, seconds in again.get("wrapped_optimizer", {}).items():
+        level["wrapped_optimizer"][name] = min(level["wrapped_optimizer"][name], seconds)
 
 
 def _barrier(group) -> Callable[[], None] | None:
