@@ -1,8 +1,8 @@
 """Model-splitting layouts through the product's own path (`run_training`: Ray Data, the loop's
 routing of rows to replicas and stages, the configured optimizer, MLflow): each trains what one
 worker trains on the same global batches; tensor-parallel and FSDP runs checkpoint sharded,
-resume to the uninterrupted result, record per-worker memory, and their assembled model is
-registered and answers over the inference endpoint."""
+resume to the uninterrupted result (as a context-parallel run does), record per-worker memory,
+and their assembled model is registered and answers over the inference endpoint."""
 
 from __future__ import annotations
 
@@ -43,7 +43,11 @@ LAYOUTS["3d"] = [
     "parallelism.dp=2",
     "parallelism.tp=2",
 ]
-WORKERS = {"tp": 2, "fsdp": 2, "fsdp-tp": 4, "3d": 8}
+# Context parallelism: each sequence split over 2 workers (ring attention), their checkpoint
+# the plain model rank 0 writes.
+LAYOUTS["cp"] = ["parallelism.strategy=ddp", "parallelism.pp=1", "parallelism.dp=1",
+                 "parallelism.cp=2"]  # fmt: skip
+WORKERS = {"tp": 2, "fsdp": 2, "fsdp-tp": 4, "3d": 8, "cp": 2}
 
 
 def _config(workspace, *extra: str):
@@ -158,6 +162,17 @@ def test_sharded_checkpoint_resumes_to_the_uninterrupted_result(
     assert (checkpoint / "model-part000.pt").is_file()  # the assembled model (or stage 0)
     _, resumed = layout_runs(name, f"training.resume_from={checkpoint}")
     # The resumed run trains epoch 1 only, from epoch 0's weights and Adam moments.
+    assert _losses(workspace, resumed.run_id) == pytest.approx(
+        _losses(workspace, uninterrupted.run_id)[1:], rel=1e-4
+    )
+
+
+def test_a_context_parallel_checkpoint_resumes_to_the_uninterrupted_result(layout_runs, workspace):
+    _, uninterrupted = layout_runs("cp")
+    checkpoint = Path(uninterrupted.checkpoint_path).parent / "epoch_0000"
+    assert (checkpoint / "model-part000.pt").is_file()  # the whole model, from rank 0
+    _, resumed = layout_runs("cp", f"training.resume_from={checkpoint}")
+    # Epoch 1 again from epoch 0's weights and Adam moments, each worker on its chunks.
     assert _losses(workspace, resumed.run_id) == pytest.approx(
         _losses(workspace, uninterrupted.run_id)[1:], rel=1e-4
     )
