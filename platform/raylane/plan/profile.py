@@ -40,6 +40,7 @@ from raylane.plan.fits import block_train_flops, compute_fit, link_fit
 from raylane.plan.profile_layouts import (
     build_meshes,
     start_param_server,
+    time_ddp,
     time_param_server,
     time_schedules,
     time_wrapped_blocks,
@@ -164,46 +165,6 @@ def _time_collectives(group) -> dict[int, float]:
     return found
 
 
-def _ready_then_all_reduce(state, bucket):
-    """DDP comm hook: note when the bucket was ready, then torch's all-reduce on the group.
-    (raylane's training hooks reduce over the whole world; the profile's groups are subsets.)"""
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-    group, ready = state
-    ready.append(time.perf_counter())
-    return allreduce_hook(group, bucket)
-
-
-def _time_ddp(cfg, group) -> dict[int, float]:
-    """Seconds per step that backward waits for gradients after its last bucket is ready,
-    under DDP on `group`, measured as `raylane.parallel.ddp` measures it in a run."""
-    import torch
-    from torch.nn.parallel import DistributedDataParallel
-
-    from raylane.models import build_model
-    from raylane.train.loop import cross_entropy
-
-    m = cfg.model
-    model = DistributedDataParallel(build_model(m), process_group=group)
-    ready: list[float] = []
-    model.register_comm_hook((group, ready), _ready_then_all_reduce)
-    found = {}
-    for rows in ROWS:
-        tokens = torch.randint(0, m.num_classes, (rows, m.input_dim))
-        waits = []
-        for _ in range(REPEATS + 1):
-            model.zero_grad(set_to_none=True)
-            loss = cross_entropy(model(tokens), tokens)
-            ready.clear()
-            started = time.perf_counter()
-            loss.backward()
-            done = time.perf_counter()
-            last = max(ready, default=None)
-            waits.append(done - last if last is not None and last > started else 0.0)
-        found[rows] = statistics.median(waits[1:])
-    return found
-
-
 def _time_p2p(rank: int) -> dict[int, float]:
     import torch
     import torch.distributed as dist
@@ -257,25 +218,16 @@ def profile_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
         if rank < k:
             torch.set_num_threads(worker_threads(cfg, k))
             sync = _barrier(groups.get(k))
-            level = {"compute": _time_compute(cfg, sync), "optimizer": _time_optimizer(cfg, sync)}
+            level = _time_blocks(cfg, meshes.get(k), sync)
             if k in groups:
                 level["all_reduce"] = _time_collectives(groups[k])
-                level["ddp"] = _time_ddp(cfg, groups[k])
+                level["ddp"] = time_ddp(cfg, groups[k], ROWS, REPEATS)
             level["ps_push"] = time_param_server(cfg, shard, _median_s, sync)
-            if meshes.get(k):  # blocks as the sharded layouts of k workers wrap them
-                level["wrapped"], level["wrapped_optimizer"] = time_wrapped_blocks(
-                    cfg, meshes[k], ROWS, _median_s, sync
-                )
             if k >= 2 and rank < 2:
                 level["schedules"] = time_schedules(
                     cfg, rank, pair, MICROBATCHES, SCHEDULE_ROWS, _median_s
                 )
-            again = {"compute": _time_compute(cfg, sync), "optimizer": _time_optimizer(cfg, sync)}
-            if meshes.get(k):
-                again["wrapped"], again["wrapped_optimizer"] = time_wrapped_blocks(
-                    cfg, meshes[k], ROWS, _median_s, sync
-                )
-            _keep_faster(level, again)
+            _keep_faster(level, _time_blocks(cfg, meshes.get(k), sync))
             mine["levels"][k] = level
         _wait_for_level(rank, k, distributed)
     torch.set_num_threads(worker_threads(cfg, world))
@@ -291,12 +243,21 @@ def profile_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     return summarise(gathered, cfg)
 
 
+def _time_blocks(cfg, meshes: dict | None, sync) -> dict[str, Any]:
+    """A level's block timings: the plain block's parts and the optimizer per parameter, and
+    with `meshes` each block as the level's sharded layouts wrap it, and its optimizer step."""
+    timed = {"compute": _time_compute(cfg, sync), "optimizer": _time_optimizer(cfg, sync)}
+    if meshes:
+        timed["wrapped"], timed["wrapped_optimizer"] = time_wrapped_blocks(
+            cfg, meshes, ROWS, _median_s, sync
+        )
+    return timed
+
+
 def _keep_faster(level: dict[str, Any], again: dict[str, Any]) -> None:
-    """Each block and optimizer timing of a level, measured at its start and again at its end,
-    kept at the faster of the two: each is a few hundred milliseconds of work, which a passing
-    disturbance (Ray's own processes still starting, another job's burst) can double, and did
-    in one profile out of seven (its 2-worker plain block at twice the wrapped blocks' pace:
-    every plain-block layout predicted 64-99 % slow against 18-22 % for the wrapped ones)."""
+    """A level's block timings from its start and its end, the faster kept: each is a few
+    hundred milliseconds of work, which a passing disturbance (Ray's processes starting, a
+    burst elsewhere) can double, as it did one profile in seven (its 2-worker plain block)."""
     for key in ("compute", "wrapped"):
         for name, by_rows in again.get(key, {}).items():
             for rows, seconds in by_rows.items():

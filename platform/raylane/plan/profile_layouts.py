@@ -1,5 +1,6 @@
 """The strategies' own code, timed inside the profile job: a transformer block as each sharded
-layout wraps it, a parameter server's round trip, and the pipeline schedules.
+layout wraps it, a parameter server's round trip, the pipeline schedules, and DDP's wait for
+its last gradient bucket.
 
 A plain block's fits at rows / tp plus the measured collectives predict tensor-parallel and
 FSDP steps several times too fast on small models: DTensor's per-op dispatch, FSDP2's hooks,
@@ -29,6 +30,8 @@ before, on torch's own schedules over a one-layer stage.
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -208,4 +211,45 @@ def time_schedules(
                     schedule.step(target=torch.zeros_like(inputs))
 
             found[name][micro] = median_s(step)
+    return found
+
+
+def _ready_then_all_reduce(state, bucket):
+    """DDP comm hook: note when the bucket was ready, then torch's all-reduce on the group.
+    (raylane's training hooks reduce over the whole world; the profile's groups are subsets.)"""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    group, ready = state
+    ready.append(time.perf_counter())
+    return allreduce_hook(group, bucket)
+
+
+def time_ddp(cfg, group, rows_list, repeats: int) -> dict[int, float]:
+    """Seconds per step that backward waits for gradients after its last bucket is ready,
+    under DDP on `group`, measured as `raylane.parallel.ddp` measures it in a run (the median
+    of `repeats` steps after one, at each of `rows_list`)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from raylane.models import build_model
+    from raylane.train.loop import cross_entropy
+
+    m = cfg.model
+    model = DistributedDataParallel(build_model(m), process_group=group)
+    ready: list[float] = []
+    model.register_comm_hook((group, ready), _ready_then_all_reduce)
+    found = {}
+    for rows in rows_list:
+        tokens = torch.randint(0, m.num_classes, (rows, m.input_dim))
+        waits = []
+        for _ in range(repeats + 1):
+            model.zero_grad(set_to_none=True)
+            loss = cross_entropy(model(tokens), tokens)
+            ready.clear()
+            started = time.perf_counter()
+            loss.backward()
+            done = time.perf_counter()
+            last = max(ready, default=None)
+            waits.append(done - last if last is not None and last > started else 0.0)
+        found[rows] = statistics.median(waits[1:])
     return found
