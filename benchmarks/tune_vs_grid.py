@@ -10,8 +10,8 @@ throughput of the planner's pick / the grid's best throughput (the same measurem
 so noise between runs does not enter); cost_ratio = planner wall time (profile included) /
 grid wall time; median_pred_error = median over every grid layout of |planner's predicted -
 grid's measured| / measured step time (median of the measured epochs); the raw figure is the
-same before the planner's one-factor calibration by its measured trials (the pooled factor
-divided out). The last line is one JSON object.
+same for the profile's own predictions, before the planner's calibration by its measured
+trials. The last line is one JSON object.
 
     python benchmarks/tune_vs_grid.py [--epochs 6] [--steps 6]
 """
@@ -88,16 +88,16 @@ def main() -> None:
     best_key = max(grid_rate, key=grid_rate.get)
     pick = planner.winner
     calibration = planner.calibration
-    scale = calibration.step_scale if calibration else 1.0
     wait_ms = 1000 * calibration.data_wait_s if calibration else 0.0
     predicted = {t.candidate.key: t.predicted for t in [*planner.trials, *planner.not_run]}
+    raw = planner.raw_predictions
     errors, raw_errors = {}, {}
     for trial in grid.trials:
         guess = predicted.get(trial.candidate.key)
         if trial.step_ms and guess is not None:
             errors[trial.candidate.key] = (guess.step_ms - trial.step_ms) / trial.step_ms
             raw_errors[trial.candidate.key] = (
-                guess.step_ms / scale - trial.step_ms
+                raw[trial.candidate.key].step_ms - trial.step_ms
             ) / trial.step_ms
     measured_ms = {t.candidate.key: t.step_ms for t in grid.trials}
     for key, error in errors.items():
@@ -122,7 +122,7 @@ def main() -> None:
         "cost_ratio_profile_reused": round((planner.wall_s - planner.profile_s) / grid.wall_s, 3),
         "planner_measured": len(planner.trials),
         "profile_s": round(planner.profile_s, 1),
-        "step_scale": round(scale, 3),
+        "step_scale": round(calibration.step_scale, 3) if calibration else 1.0,
         "data_wait_ms": round(wait_ms, 1),
         "median_pred_error_raw": round(statistics.median(abs(e) for e in raw_errors.values()), 3),
         "median_pred_error": round(statistics.median(abs(e) for e in errors.values()), 3),

@@ -110,6 +110,9 @@ def test_layout_describes_itself_and_names_impossible_degrees():
           "parallelism.workers=8", "parallelism.pp=1", "parallelism.sequence_parallel=true",
           "model.input_dim=12", "model.n_heads=4"],
          "cuts each worker's 6 tokens (model.input_dim / cp) into tp (4) equal parts"),
+        (["parallelism.strategy=tp", "parallelism.tp=2", "parallelism.workers=2",
+          "parallelism.pp=1", "parallelism.sequence_parallel=true", "model.num_classes=255"],
+         "splits the head's 255 classes (model.num_classes) over tp (2) workers"),
     ],
 )  # fmt: skip
 def test_context_parallel_layouts_are_checked(overrides, message):

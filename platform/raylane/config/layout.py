@@ -211,6 +211,11 @@ def _check_options(cfg: RaylaneConfig) -> None:
             f"parallelism.sequence_parallel cuts each worker's {cfg.model.input_dim // par.cp} "
             f"tokens (model.input_dim / cp) into tp ({par.tp}) equal parts; they must divide"
         )
+    if par.sequence_parallel and par.pp == 1 and cfg.model.num_classes % par.tp:
+        raise ValueError(
+            f"parallelism.sequence_parallel splits the head's {cfg.model.num_classes} classes "
+            f"(model.num_classes) over tp ({par.tp}) workers; they must divide"
+        )
     if par.cp > 1:
         _check_context(cfg)
     if par.tp > 1 and par.strategy not in (*SHARDED, *PIPELINED):

@@ -6,7 +6,7 @@ Megatron style: in every block the query, key and value projections and the MLP'
 are split column-wise (each of the `tp` workers holds n_heads / tp whole heads and 4·d / tp
 hidden units) and the attention output and the MLP's second linear row-wise, whose partial sums
 are all-reduced: one all-reduce per half-block forward, one backward. Embeddings, norms and the
-head stay replicated.
+head stay replicated (but see sequence parallelism below).
 
 With sequence parallelism (Korthikanti et al. 2022) the regions between those matmuls, the
 two LayerNorms and the residual adds, work on 1 / tp of the sequence instead of all of it on
@@ -132,23 +132,35 @@ class _SequenceGatheredLinear(nn.Linear):
 
 
 class _GatheredLinear(torch.autograd.Function):
-    """y = all_gather(shard) @ w.T + b, saving the shard (not the gathered input) for backward."""
+    """y = all_gather(shard) @ w.T + b, saving the shard (not the gathered input) for backward.
+    Under autocast the shard is cast to the autocast dtype first, as the matmul would cast its
+    input: it is gathered and kept in bf16, as torch's own linear keeps its input."""
 
     @staticmethod
     def forward(ctx, shard, weight, bias, mesh):
-        ctx.mesh, ctx.has_bias = mesh, bias is not None
-        ctx.save_for_backward(shard, weight)
+        ctx.mesh, ctx.has_bias, ctx.input_dtype = mesh, bias is not None, shard.dtype
+        device = shard.device.type
+        if torch.is_autocast_enabled(device):
+            shard = shard.to(torch.get_autocast_dtype(device))
+        ctx.save_for_backward(shard)
+        ctx.weight = weight  # a parameter's shard, not an activation: not saved as one
         return F.linear(_gather(shard, mesh), weight, bias)
 
     @staticmethod
     def backward(ctx, grad):
-        shard, weight = ctx.saved_tensors
-        whole = _gather(shard, ctx.mesh).to(grad.dtype)  # bf16 under autocast, as forward ran
-        rows = grad.reshape(-1, grad.shape[-1])
-        grad_weight = (rows.T @ whole.reshape(-1, whole.shape[-1])).to(weight.dtype)
-        grad_bias = rows.sum(0).to(weight.dtype) if ctx.has_bias else None
-        grad_whole = grad @ weight.to(grad.dtype)
-        return _scatter(grad_whole, ctx.mesh).to(shard.dtype), grad_weight, grad_bias, None
+        (shard,) = ctx.saved_tensors
+        weight = ctx.weight
+        grad_shard = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[1]:  # the weight's gradient needs the whole input again
+            whole = _gather(shard, ctx.mesh).to(grad.dtype)
+            rows = grad.reshape(-1, grad.shape[-1])
+            grad_weight = (rows.T @ whole.reshape(-1, whole.shape[-1])).to(weight.dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[0]:  # summed over the workers in the input's own dtype
+            grad_whole = (grad @ weight.to(grad.dtype)).to(ctx.input_dtype)
+            grad_shard = _scatter(grad_whole, ctx.mesh)
+        return grad_shard, grad_weight, grad_bias, None
 
 
 def _gather(shard: torch.Tensor, mesh) -> torch.Tensor:

@@ -25,15 +25,15 @@ Transformer Models" (MLSys 2023), eq. 2: s·b·h·(10 + 24/t + 5·a·s/(h·t)) b
 16-bit activations, 2·s·b·h with full recomputation (plus, once, the whole activations of the
 block being recomputed in backward); with sequence parallelism (their eq. 4) the norm and
 residual regions' 10·s·b·h are divided by t too, for the same tensor-parallel bytes (a reduce-
-scatter and an all-gather in place of each all-reduce), so sequence parallelism changes memory,
-never the predicted time (the backward's second all-gather of the matmuls' inputs overlaps their
-weight gradients); outside a pipeline the head is split over the vocabulary too, so the fp32
-logits and their softmax are divided by t. The formula's 5·a·s²·b/t term is the score matrix
-that attention without a fused kernel saves; under context parallelism s is the worker's T/cp
-and ring attention saves no scores (its backward recomputes them from the log-sum-exp it keeps),
-so that term is replaced by what the kernel does hold: the log-sum-exp, fp32 copies of q, k, v
-and its output under bf16, and one ring step's fp32 (T/cp)² blocks per head while a layer
-computes.
+scatter and an all-gather in place of each all-reduce), so sequence parallelism's extra time is
+the backward's second all-gather of the column-wise matmuls' inputs (raylane's waits for it;
+Megatron overlaps it with the weight gradients); outside a pipeline the head is split over the
+vocabulary too, so the fp32 logits and their softmax are divided by t. The formula's 5·a·s²·b/t
+term is the score matrix that attention without a fused kernel saves; under context parallelism
+s is the worker's T/cp and ring attention saves no scores (its backward recomputes them from the
+log-sum-exp it keeps), so that term is replaced by what the kernel does hold: the log-sum-exp,
+fp32 copies of q, k, v and its output under bf16, and one ring step's fp32 (T/cp)² blocks per
+head while a layer computes.
 """
 
 from __future__ import annotations
@@ -218,10 +218,12 @@ def _comm_s(
     intra, inter = device.intra_node_gbps, device.inter_node_gbps
 
     # Tensor parallel: each block's activations (this cp worker's tokens) all-reduced on the
-    # critical path; sequence parallelism's reduce-scatter + all-gather move the same bytes.
+    # critical path; sequence parallelism's reduce-scatter + all-gather move the same bytes,
+    # and its backward gathers the four column-wise inputs again (two all-reduces' bytes).
     activation = micro_rows * work.seq / layout.cp * shape.d_model * work.value_bytes
     tp_link = intra if layout.tp <= spec.devices_per_node else inter
     per_block = 6 if layout.activation_checkpointing else 4
+    per_block += 2 if layout.dims.sequence_parallel else 0
     tp_comm = (
         (shape.n_layers / layout.pp)
         * layout.microbatches

@@ -283,8 +283,11 @@ def _fsdp_once_a_step(level: dict, shape: _Shape, cfg: RaylaneConfig) -> float:
     the last micro-batch, so a step of m micro-batches runs about m + 2 of the 3m collectives
     (each forward's or backward's gather, plus the first backward's and the reduce-scatter):
     a third per micro-batch, two thirds once. Predicted per micro-batch, pipeline x FSDP came
-    out 70-83 % slow in two of three runs (benchmarks/README.md, prediction_error)."""
-    if shape.wrapped is None or not ParallelDims.from_parallelism(cfg.parallelism).fsdp_enabled:
+    out 70-83 % slow in two of three runs (benchmarks/README.md, prediction_error). A stage
+    of FSDP x tp blocks keeps the per-micro-batch figure: its fit mixes in tensor parallelism's
+    all-reduces, which every micro-batch pays."""
+    dims = ParallelDims.from_parallelism(cfg.parallelism)
+    if shape.wrapped is None or not dims.fsdp_enabled or dims.tp_enabled:
         return 0.0
     return 2 / 3 * max(shape.wrapped["fixed_s"] - level["block"]["fixed_s"], 0.0)
 
@@ -371,6 +374,8 @@ def _activation_bytes(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float
     if bf16:
         per_layer *= _BF16_BLOCK_ACTIVATIONS
     if shape.sequence_parallel:  # on 1/tp of the tokens: the two LayerNorms' fp32 inputs
-        # and the inputs q, k, v and the MLP's first linear keep for backward
-        per_layer -= 6 * shape.tokens * cfg.model.d_model * _FP32 * (1 - 1 / shape.tp)
+        # and the inputs q, k, v and the MLP's first linear keep (bf16 under autocast)
+        linear_input = 2 if bf16 else _FP32
+        per_token = cfg.model.d_model * (2 * _FP32 + 4 * linear_input)
+        per_layer -= shape.tokens * per_token * (1 - 1 / shape.tp)
     return (per_layer * shape.stage_layers * shape.rows + ends_activations) * in_flight

@@ -20,10 +20,11 @@ class Calibration:
     layouts: tuple[str, ...]  # the measured layouts it comes from
     step_scale: float  # measured / predicted step time, input wait left out
     data_wait_s: float  # measured wait for input per step
-    memory_offset_mb: float  # measured - predicted peak worker memory
+    memory_offset_mb: float | None  # measured - predicted peak worker memory (None: unmeasured)
 
     def apply(self, predicted: LocalPrediction) -> LocalPrediction:
-        return predicted.calibrated(self.step_scale, self.data_wait_s, self.memory_offset_mb)
+        offset = self.memory_offset_mb or 0.0
+        return predicted.calibrated(self.step_scale, self.data_wait_s, offset)
 
     def source(self) -> str:
         """Where it comes from, for the console."""
@@ -45,7 +46,7 @@ def measured_calibration(
         layouts=(layout,),
         step_scale=(step_ms - wait_ms) / predicted.step_ms,
         data_wait_s=wait_ms / 1000,
-        memory_offset_mb=(peak_mb or predicted.memory_mb) - predicted.memory_mb,
+        memory_offset_mb=None if peak_mb is None else peak_mb - predicted.memory_mb,
     )
 
 
@@ -56,9 +57,10 @@ def pooled(calibrations: Sequence[Calibration]) -> Calibration:
     layout's measured/predicted ratio moves less with each trial measured."""
     if not calibrations:
         raise ValueError("pooled: no measured trial to calibrate by")
+    offsets = [c.memory_offset_mb for c in calibrations if c.memory_offset_mb is not None]
     return Calibration(
         layouts=tuple(layout for c in calibrations for layout in c.layouts),
         step_scale=statistics.median(c.step_scale for c in calibrations),
         data_wait_s=statistics.median(c.data_wait_s for c in calibrations),
-        memory_offset_mb=statistics.median(c.memory_offset_mb for c in calibrations),
+        memory_offset_mb=statistics.median(offsets) if offsets else None,
     )

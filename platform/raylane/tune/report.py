@@ -128,7 +128,7 @@ def prediction_summary(outcome: SearchOutcome) -> str:
     summary += (
         f", step work x{calibration.step_scale:.2f}, input wait "
         f"{calibration.data_wait_s * 1e3:.1f} ms per step and memory "
-        f"{calibration.memory_offset_mb:+.0f} MB from {calibration.source()}"
+        f"{calibration.memory_offset_mb or 0.0:+.0f} MB from {calibration.source()}"
     )
     alone = calibration.layouts if len(calibration.layouts) == 1 else ()
     errors = [

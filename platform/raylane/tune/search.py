@@ -60,6 +60,8 @@ class SearchOutcome:
     profile_run_id: str | None = None
     profile_s: float = 0.0
     calibration: Calibration | None = None
+    #: The profile's own predictions, by layout, before any calibration.
+    raw_predictions: dict[str, LocalPrediction] = field(default_factory=dict)
 
     @property
     def ranked(self) -> list[TrialOutcome]:
@@ -218,8 +220,9 @@ def run_search(spec: TuneSpec) -> SearchOutcome:
         for item in not_run:
             item.predicted = calibration.apply(plan.predictions[item.candidate.key])
     return SearchOutcome(
-        trials, plan.pruned, wall_s, not_run, plan.profile_run_id, plan.profile_s, calibration
-    )
+        trials, plan.pruned, wall_s, not_run, plan.profile_run_id, plan.profile_s, calibration,
+        dict(plan.predictions),
+    )  # fmt: skip
 
 
 @dataclass
