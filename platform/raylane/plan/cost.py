@@ -118,7 +118,8 @@ class Workload:
     n_heads: int
     global_batch: int  # sequences per optimizer step, all replicas together
     precision: Precision = "fp32"
-    #: The output layer split over tp (Megatron's vocab-parallel head); raylane keeps it whole.
+    #: The output layer split over tp (Megatron's vocab-parallel head) in every layout; raylane
+    #: splits it only under sequence parallelism outside a pipeline, and keeps it whole otherwise.
     head_split_by_tp: bool = False
 
     @property
@@ -202,8 +203,9 @@ def _compute_s(work: Workload, layout: Layout, cluster: Cluster, efficiency: flo
     shape, device = work.shape, cluster.device
     flops = work.model_flops(layout.activation_checkpointing)
     head = 3 * 2 * work.global_batch * work.seq * shape.d_model * shape.vocab_size
+    split = work.head_split_by_tp or (layout.dims.sequence_parallel and layout.pp == 1)
     per_device = (flops - head) / layout.workers + head / (
-        layout.workers if work.head_split_by_tp else layout.dp * layout.pp * layout.cp
+        layout.workers if split else layout.dp * layout.pp * layout.cp
     )
     return per_device / (device.peak_flops[work.precision] * efficiency)
 
