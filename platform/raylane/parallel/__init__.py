@@ -1,6 +1,28 @@
-"""Parallelism strategies. The train loop asks the registry; it never branches on a name."""
+"""Parallelism strategies. The train loop asks the registry; it never branches on a name.
 
-from raylane.parallel.base import ParallelStrategy
-from raylane.parallel.registry import available_strategies, get_strategy, splits_dataset
+The registry reads the validated config (pydantic) and is imported on first use, so the
+torch-only modules (`raylane.parallel.base`, `parallelize`, `precision`) import on a machine
+that has torch and nothing else (`benchmarks/gpu.py` runs there).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from raylane.parallel.base import ParallelStrategy
+    from raylane.parallel.registry import available_strategies, get_strategy, splits_dataset
 
 __all__ = ["ParallelStrategy", "available_strategies", "get_strategy", "splits_dataset"]
+
+
+def __getattr__(name: str):
+    if name == "ParallelStrategy":
+        from raylane.parallel.base import ParallelStrategy
+
+        return ParallelStrategy
+    if name in __all__:
+        from raylane.parallel import registry
+
+        return getattr(registry, name)
+    raise AttributeError(f"module 'raylane.parallel' has no attribute {name!r}")
