@@ -31,16 +31,16 @@ def test_cached_logits_equal_the_whole_sequence_forward(model):
     cache = KVCache.for_model(model, slots=3)
     a, b = torch.tensor([_prompt(1, 9)]), torch.tensor([_prompt(2, 4)])
     # Prefill two slots with prompts of different lengths (slot 1 stays empty).
-    assert torch.allclose(model.extend(a, cache, torch.tensor([2])), model(a), atol=1e-5)
-    assert torch.allclose(model.extend(b, cache, torch.tensor([0])), model(b), atol=1e-5)
+    assert torch.allclose(model.extend(a, cache, [2]), model(a), atol=1e-5)
+    assert torch.allclose(model.extend(b, cache, [0]), model(b), atol=1e-5)
     # Then three decode steps of both at once, each at its own position.
     for _ in range(3):
         step = torch.tensor([[7], [200]])
-        logits = model.extend(step, cache, torch.tensor([0, 2]))[:, -1]
+        logits = model.extend(step, cache, [0, 2])[:, -1]
         a, b = torch.cat([a, step[1:]], 1), torch.cat([b, step[:1]], 1)
         assert torch.allclose(logits[1], model(a)[0, -1], atol=1e-5)
         assert torch.allclose(logits[0], model(b)[0, -1], atol=1e-5)
-    assert cache.lengths.tolist() == [7, 0, 12]
+    assert cache.lengths == [7, 0, 12]
 
 
 def test_greedy_continuous_batching_equals_recomputing_every_prefix(model):
@@ -152,9 +152,9 @@ def test_bad_sampling_fields_are_named(fields, names):
 
 def test_the_cache_refuses_to_pass_the_context(model):
     cache = KVCache.for_model(model, slots=1)
-    model.extend(torch.zeros(1, CONTEXT, dtype=torch.long), cache, torch.tensor([0]))
+    model.extend(torch.zeros(1, CONTEXT, dtype=torch.long), cache, [0])
     with pytest.raises(ValueError, match="would reach 49 positions; the context holds 48"):
-        model.extend(torch.zeros(1, 1, dtype=torch.long), cache, torch.tensor([0]))
+        model.extend(torch.zeros(1, 1, dtype=torch.long), cache, [0])
 
 
 def test_the_replica_loop_streams_requests_together_and_frees_a_slot_its_reader_left(model):

@@ -106,8 +106,15 @@ class ServingConfig(StrictModel):
     )
     quantization: Literal["none", "int8"] = Field(
         "none",
-        description="Weights of the served model's linear layers: 'none' (fp32) or 'int8' "
-        "(torchao weight-only int8, one scale per output channel; api: generate).",
+        description="Weights of the served model's linear layers: 'none' (in serving.dtype) or "
+        "'int8' (torchao weight-only int8, one scale per output channel, quantized on the "
+        "replica's device; api: generate).",
+    )
+    dtype: Literal["fp32", "bf16"] = Field(
+        "fp32",
+        description="Dtype of the served language model's weights, activations and KV cache: "
+        "'fp32', or 'bf16' (half the bytes; on a GPU the fast attention kernels; with int8 "
+        "weights, bf16 scales and activations). api: generate.",
     )
     host: str = Field(
         "127.0.0.1",
@@ -131,6 +138,19 @@ class ServingConfig(StrictModel):
         0.01, ge=0, description="How long a batch waits to fill before it runs anyway."
     )
     replica_cpus: float = Field(0.5, gt=0, description="CPUs each model replica reserves.")
+    replica_gpus: float = Field(
+        0.0,
+        ge=0,
+        description="GPUs each model replica reserves (fractions share one GPU between "
+        "replicas, e.g. 0.5). Above 0 the replica computes on its CUDA device; 0 on CPU.",
+    )
+    cuda_graphs: bool = Field(
+        False,
+        description="Decode with a fixed-shape step (every KV-cache slot, the whole context "
+        "under a mask) captured once in a CUDA graph and replayed: per-token cost is the GPU's, "
+        "not Python's. Needs replica_gpus > 0 and generation.speculate 0; steps with a LoRA "
+        "adapter in the batch run uncaptured. api: generate.",
+    )
     replica_resources: dict[str, float] = Field(
         default_factory=dict,
         description="Custom Ray resources each model replica reserves, to place replicas on a "
@@ -197,6 +217,24 @@ class ServingConfig(StrictModel):
                 f"quantization '{self.quantization}' applies to api 'generate' (the infer API "
                 "serves the registered torch.export program as it is)"
             )
+        if self.cuda_graphs:
+            self._check_cuda_graphs()
+        if self.dtype != "fp32" and self.api != "generate":
+            raise ValueError(
+                f"dtype '{self.dtype}' applies to api 'generate' (the infer API serves the "
+                "registered torch.export program in the dtype it was exported in)"
+            )
         if self.max_queued_requests == 0:
             raise ValueError("max_queued_requests is 0: use -1 for no limit, or a positive bound")
         return self
+
+    def _check_cuda_graphs(self) -> None:
+        if self.api != "generate":
+            raise ValueError("cuda_graphs applies to api 'generate' (decoding)")
+        if self.replica_gpus <= 0:
+            raise ValueError("cuda_graphs needs replica_gpus > 0 (replicas on a GPU)")
+        if self.generation.speculate:
+            raise ValueError(
+                "cuda_graphs captures the plain decode step: it needs generation.speculate 0 "
+                f"(not {self.generation.speculate})"
+            )

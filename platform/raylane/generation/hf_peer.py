@@ -5,7 +5,8 @@ for token and to time it against the same weights.
 Built from a config, nothing downloaded. The mapping: separate q, k, v projections become
 GPT-2's fused `c_attn`; GPT-2's `Conv1D` layers hold their weights transposed; GPT-2's head
 has no bias and shares the embedding, so the peer gets an untied head with raylane's bias;
-GELU is the exact one (`activation_function="gelu"`), as in raylane's blocks.
+GELU is the exact one (`activation_function="gelu"`), as in raylane's blocks. The peer is built
+on the model's device and in its dtype, so both run on the same GPU for a timing.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from torch import nn
 
 
 def to_hf_gpt2(model: nn.Module):
-    """A `transformers.GPT2LMHeadModel` holding `model`'s weights (eval mode)."""
+    """A `transformers.GPT2LMHeadModel` holding `model`'s weights (eval mode), on the model's
+    device and in its dtype (its final norm's: a plain model, not an int8 one)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
+    device, dtype = model.norm.weight.device, model.norm.weight.dtype
     blocks = list(model.blocks.values())
     d_model = model.tok_emb.embedding_dim
     config = GPT2Config(
@@ -37,8 +40,8 @@ def to_hf_gpt2(model: nn.Module):
         eos_token_id=None,
         pad_token_id=0,
     )
-    peer = GPT2LMHeadModel(config)
-    peer.lm_head = nn.Linear(d_model, config.vocab_size, bias=True)
+    peer = GPT2LMHeadModel(config).to(device=device, dtype=dtype)
+    peer.lm_head = nn.Linear(d_model, config.vocab_size, bias=True, device=device, dtype=dtype)
     state = {
         "transformer.wte.weight": model.tok_emb.weight,
         "transformer.wpe.weight": model.pos_emb.weight,
@@ -79,7 +82,7 @@ def to_hf_gpt2(model: nn.Module):
 @torch.no_grad()
 def hf_greedy(peer, prompt: list[int], max_new_tokens: int) -> list[int]:
     """`generate()` with its KV cache, greedy: the new tokens only."""
-    inputs = torch.tensor([prompt])
+    inputs = torch.tensor([prompt], device=peer.lm_head.weight.device)
     out = peer.generate(
         inputs,
         attention_mask=torch.ones_like(inputs),

@@ -7,18 +7,24 @@ as do layer norms and biases, a small part of the bytes. In a small byte-level G
 embeddings are a large share (two 256 x d tables beside 12·d² per block): with them in fp32 the
 weights shrink to 0.33 of fp32's, with them in int8 to 0.27. The model stays a plain module:
 KV-cache decoding and continuous batching run on it unchanged.
+
+Quantize after the model is on its device and in its dtype (`raylane.generation.placement`):
+torchao quantizes each weight where it is, so the int8 data and scales are made on the GPU, and
+scales follow the weights' dtype (bf16 activations with int8 weights are torchao's own case).
 """
 
 from __future__ import annotations
 
 import io
+import math
 
 import torch
 from torch import nn
 
 
 def quantize_int8(model: nn.Module) -> nn.Module:
-    """`model` with int8 weight-only linear layers (in place; returned for chaining)."""
+    """`model` with int8 weight-only linear layers and embeddings, on the device and in the
+    dtype its weights have now (in place; returned for chaining)."""
     from torchao.quantization import Int8WeightOnlyConfig, IntxWeightOnlyConfig, quantize_
     from torchao.quantization.granularity import PerAxis
 
@@ -40,4 +46,4 @@ def bits_per_byte(model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor) 
     """Mean next-byte cross-entropy in bits over windows `tokens` `[N, T]` / `labels` `[N, T]`."""
     logits = model(tokens)
     loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
-    return float(loss) / float(torch.log(torch.tensor(2.0)))
+    return float(loss) / math.log(2.0)

@@ -1,10 +1,17 @@
-"""How the next token is chosen from a model's logits: greedy, or sampled with temperature,
-top-k and top-p (nucleus), from a seeded generator so a request repeats exactly."""
+"""A generation request's sampling settings, validated (greedy, or sampled with temperature,
+top-k and top-p from a seeded generator so a request repeats exactly).
+
+How tokens are then chosen is `raylane.generation.next_token` (torch only); its functions are
+re-exported here for the callers that import them from this module.
+"""
 
 from __future__ import annotations
 
-import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from raylane.generation.next_token import is_greedy, probabilities, sample, verify
+
+__all__ = ["SamplingParams", "probabilities", "sample", "verify"]
 
 
 class SamplingParams(BaseModel):
@@ -41,61 +48,4 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
-
-    def generator(self) -> torch.Generator | None:
-        """This request's own random stream (None when greedy or unseeded)."""
-        if self.greedy or self.seed is None:
-            return None
-        return torch.Generator().manual_seed(self.seed)
-
-
-def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distribution `[vocab]` a non-greedy request samples from: temperature, then
-    top-k, then top-p applied to `logits`."""
-    scaled = logits.float() / params.temperature
-    if params.top_k and params.top_k < scaled.numel():
-        kth = torch.topk(scaled, params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if params.top_p < 1.0:
-        ordered, order = torch.sort(scaled, descending=True)
-        each = torch.softmax(ordered, dim=-1)
-        # Keep a token while the mass before it is under top_p: the likeliest always stays.
-        drop = (each.cumsum(dim=-1) - each) >= params.top_p
-        scaled = scaled.scatter(0, order[drop], float("-inf"))
-    return torch.softmax(scaled, dim=-1)
-
-
-def sample(logits: torch.Tensor, params: SamplingParams, generator=None) -> int:
-    """The next token for one sequence from its logits `[vocab]`."""
-    if params.greedy:
-        return int(logits.argmax())
-    return int(torch.multinomial(probabilities(logits, params), 1, generator=generator))
-
-
-def verify(
-    logits: torch.Tensor,
-    proposed: int,
-    params: SamplingParams,
-    generator=None,
-    draft: torch.Tensor | None = None,
-):
-    """Speculative decoding's check of one proposed token against the target's logits:
-    `(accepted, token)`. Greedy: accepted when it is the argmax, else the argmax. Sampled:
-    `draft` is the distribution q the proposal was drawn from (None: proposed for certain, as
-    by prompt lookup); accepted with probability min(1, p/q) at the proposed token, else a
-    token drawn from max(p - q, 0) renormalised. The tokens so chosen are distributed as
-    `sample` would draw them (Leviathan et al. 2023, Chen et al. 2023)."""
-    if params.greedy:
-        best = int(logits.argmax())
-        return best == proposed, best
-    p = probabilities(logits, params)
-    q = torch.zeros_like(p) if draft is None else draft.float()
-    if draft is None:
-        q[proposed] = 1.0
-    if float(torch.rand((), generator=generator)) * float(q[proposed]) < float(p[proposed]):
-        return True, proposed
-    rest = (p - q).clamp(min=0.0)
-    if float(rest.sum()) <= 0.0:  # p is q: nothing to correct
-        return True, proposed
-    return False, int(torch.multinomial(rest / rest.sum(), 1, generator=generator))
+        return is_greedy(self.temperature, self.top_k)

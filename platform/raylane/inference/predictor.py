@@ -1,4 +1,12 @@
-"""Load a model version from the MLflow Model Registry and run batched forwards on it."""
+"""Load a model version from the MLflow Model Registry and run batched forwards on it, on the
+host or on a GPU (`serving.replica_gpus`).
+
+Registered models are torch.export programs (MLflow's pt2 format). MLflow loads them on the
+device they were exported on (the host: training exports there) and refuses to move them, and
+the graph keeps the device of the tensors it makes (a GPT's position `arange`) as a constant, so
+`move_exported` moves both the weights and those constants. Inputs go to the device once per
+batch and logits come back once per batch, at the response boundary.
+"""
 
 from __future__ import annotations
 
@@ -22,20 +30,43 @@ class ModelCard:
     input_dtype: str = "float32"
 
 
+def move_exported(module: torch.nn.Module, device: torch.device | str) -> torch.nn.Module:
+    """An unlifted torch.export module (`ExportedProgram.module()`) moved to `device`: its
+    parameters and buffers, and the device every tensor-making node of its graph was traced
+    with (`torch.export.passes.move_to_device_pass` does this on the program; MLflow hands
+    out the module). In place; returned for chaining."""
+    target = torch.device(device)
+    module.to(target)
+    for graph_module in module.modules():
+        if isinstance(graph_module, torch.fx.GraphModule):
+            for node in graph_module.graph.nodes:
+                if "device" in node.kwargs:
+                    node.kwargs = {**node.kwargs, "device": target}
+            graph_module.recompile()
+    return module
+
+
 class Predictor:
     """A loaded model plus its card. `predict` takes raw feature rows, returns logits."""
 
-    def __init__(self, model: torch.nn.Module, card: ModelCard):
+    def __init__(self, model: torch.nn.Module, card: ModelCard, device: torch.device | str = "cpu"):
         # Models are logged in eval mode as torch.export programs (MLflow's pt2 format), which
         # keep that mode and refuse .eval(), so the mode is not set again here.
         self.model = model
         self.card = card
+        self.device = torch.device(device)
 
     @classmethod
     def from_registry(
-        cls, tracking_uri: str, registered_model: str, alias: str, version: int | None = None
+        cls,
+        tracking_uri: str,
+        registered_model: str,
+        alias: str,
+        version: int | None = None,
+        device: torch.device | str = "cpu",
     ) -> Predictor:
-        """Load `version` if given, else resolve `alias` to a version once and load that."""
+        """Load `version` if given, else resolve `alias` to a version once and load that, on
+        `device`."""
         import mlflow
         from mlflow.tracking import MlflowClient
 
@@ -43,7 +74,7 @@ class Predictor:
         found = resolve_version(client, tracking_uri, registered_model, alias, version)
         mlflow.set_tracking_uri(tracking_uri)
         uri = f"models:/{registered_model}/{found.version}"
-        model = mlflow.pytorch.load_model(uri, map_location="cpu")
+        model = move_exported(mlflow.pytorch.load_model(uri), device)
         input_dim, num_classes, input_dtype = _signature_dims(uri)
         card = ModelCard(
             registered_model,
@@ -53,20 +84,20 @@ class Predictor:
             num_classes,
             input_dtype,
         )
-        return cls(model, card)
+        return cls(model, card, device)
 
     @torch.no_grad()
     def predict(self, rows: np.ndarray) -> np.ndarray:
         """Logits `[N, num_classes]` for raw feature rows `[N, input_dim]`.
 
         Sequence models (outputs `[N, T, vocab]`) answer with the next-token logits: the last
-        position's.
+        position's. One copy to the device and one back for the whole batch.
         """
-        inputs = torch.from_numpy(np.ascontiguousarray(rows, dtype=self.card.input_dtype))
-        outputs = self.model(inputs)
+        rows = np.ascontiguousarray(rows, dtype=self.card.input_dtype)
+        outputs = self.model(torch.from_numpy(rows).to(self.device))
         if outputs.ndim == 3:
             outputs = outputs[:, -1, :]
-        return outputs.numpy()
+        return outputs.to("cpu").numpy()
 
 
 def _signature_dims(model_uri: str) -> tuple[int, int, str]:

@@ -51,7 +51,11 @@ class CausalSelfAttention(nn.Module):
         shape = (batch, length, width // self.head_dim, self.head_dim)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
         keys, values, visible = cache.append(layer, step, k, v)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
+        # A boolean mask or none at all (prompts into empty slots are plainly causal): SDPA's
+        # fused kernels take these; an additive float mask would cost a [n, 1, new, L] tensor.
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=visible, is_causal=step.causal
+        )
         return self.proj(out.transpose(1, 2).reshape(batch, length, width))
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -115,21 +119,38 @@ class GPT(nn.Module):
         worker's chunks sit elsewhere in the sequence: `raylane.parallel.parallelize`)."""
         return torch.arange(length, device=device)
 
-    def extend(self, tokens: torch.Tensor, cache, slots: torch.Tensor) -> torch.Tensor:
-        """Append `tokens` `[n, new]` to the sequences in cache `slots` `[n]` and return their
-        logits `[n, new, vocab]`, computing only the new positions (a KV cache).
+    def extend(
+        self, tokens: torch.Tensor, cache, slots: list[int], counts: list[int] | None = None
+    ) -> torch.Tensor:
+        """Append `tokens` `[n, new]` (on the model's device) to the sequences in cache `slots`
+        (host ints, one per row) and return their logits `[n, new, vocab]`, computing only the
+        new positions (a KV cache).
 
-        A prefill is one slot and a whole prompt; a decode step is every running slot and one
-        token each. The logits equal `forward` on each whole sequence (to float rounding).
+        A prefill is prompts into empty slots, right-padded to the longest, with `counts` the
+        real tokens of each row (the padding is written past a slot's length, where nothing
+        reads it); a decode step is every running slot and one token each. The logits equal
+        `forward` on each whole sequence (to float rounding).
 
         Raises:
             ValueError: for a pipeline stage (no embedding or head), or past the context.
         """
+        step = cache.plan(slots, tokens.shape[1])
+        logits = self.forward_step(tokens, cache, step)
+        cache.advance(slots, counts or [tokens.shape[1]] * len(slots))
+        return logits
+
+    def forward_step(self, tokens: torch.Tensor, cache, step) -> torch.Tensor:
+        """Logits of `tokens` `[n, new]` placed in `cache` where `step` says (a `CacheStep`),
+        their keys and values written there; the cache's lengths are the caller's to advance.
+        Nothing is read back to the host, so a fixed-shape step can be captured in a CUDA
+        graph (`raylane.generation.static_decode`).
+
+        Raises:
+            ValueError: for a pipeline stage (no embedding or head).
+        """
         if self.tok_emb is None or self.head is None:
             raise ValueError("extend needs the whole model (embedding to head), not one stage")
-        step = cache.plan(slots, tokens.shape[1])
         x = self.tok_emb(tokens) + self.pos_emb(step.positions)
         for layer, block in enumerate(self.blocks.values()):
             x = block.forward_cached(x, cache, layer, step)
-        cache.advance(slots, tokens.shape[1])
         return self.head(self.norm(x))

@@ -14,7 +14,9 @@ costs nothing beyond the base. Adapters of different ranks share the stack padde
 
 `AdapterSet` owns the stack: it installs adapters (PEFT state dicts as a fine-tuning run
 registers them), hands out their row, keeps a row while sequences use it, and reuses the least
-recently used idle row when all `capacity` rows are taken.
+recently used idle row when all `capacity` rows are taken. The stacks live on the base weights'
+device and in their dtype (an adapter arrives as fp32 host tensors and is copied in), so a
+model moved to a GPU or cast to bf16 before the set is made serves adapters there.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from raylane.models.kv_cache import ints_on, placement
 
 LORA_A, LORA_B = ".lora_A.default.weight", ".lora_B.default.weight"
 
@@ -48,9 +52,15 @@ class MultiLoraLinear(nn.Module):
         super().__init__()
         self.base = base
         self.selection = selection
-        self.register_buffer("lora_a", torch.zeros(slots, 0, base.in_features))
-        self.register_buffer("lora_b", torch.zeros(slots, base.out_features, 0))
-        self.register_buffer("scale", torch.zeros(slots))
+        # An int8 weight (torchao) reports the device and the dtype it computes in.
+        device, dtype = base.weight.device, base.weight.dtype
+        self.register_buffer(
+            "lora_a", torch.zeros(slots, 0, base.in_features, device=device, dtype=dtype)
+        )
+        self.register_buffer(
+            "lora_b", torch.zeros(slots, base.out_features, 0, device=device, dtype=dtype)
+        )
+        self.register_buffer("scale", torch.zeros(slots, device=device, dtype=dtype))
 
     @property
     def in_features(self) -> int:
@@ -71,8 +81,8 @@ class MultiLoraLinear(nn.Module):
         self.lora_b[row].zero_()
         self.scale[row] = 0.0
         if a is not None:
-            self.lora_a[row, :rank] = a
-            self.lora_b[row, :, :rank] = b
+            self.lora_a[row, :rank] = a.to(device=self.lora_a.device, dtype=self.lora_a.dtype)
+            self.lora_b[row, :, :rank] = b.to(device=self.lora_b.device, dtype=self.lora_b.dtype)
             self.scale[row] = scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -153,8 +163,8 @@ class AdapterSet:
         return row
 
     def select(self, rows: list[int]) -> None:
-        """The adapter rows of the next forward's batch rows."""
-        self.selection.rows = torch.tensor(rows) if any(rows) else None
+        """The adapter rows of the next forward's batch rows (on the model's device)."""
+        self.selection.rows = ints_on(rows, placement(self.model)[0]) if any(rows) else None
 
     def _free_row(self) -> int:
         taken = set(self.rows.values())

@@ -25,13 +25,14 @@ def build_app(cfg: RaylaneConfig, tracking_uri: str, version: int, api_key: str 
     `InferenceServer` (OIP infer) or, with `serving.api: generate`, `GenerationServer`.
 
     `api_key` (`load_api_key_for`, read on the deploying side) reaches replicas only as its
-    digest.
+    digest. Replicas ask Ray for `serving.replica_gpus` GPUs and compute on them when above 0.
     """
     serving = cfg.serving
     scaling = serving.autoscaling
     threads = max(1, int(serving.replica_cpus))
     common = (tracking_uri, cfg.tracking.registered_model, version, serving.model_name)
     guard = (key_digest(api_key), serving.max_body_bytes, threads)
+    placement = {"replica_gpus": serving.replica_gpus}
     if serving.api == "generate":
         from raylane.serving.generation_server import GenerationServer
 
@@ -42,12 +43,14 @@ def build_app(cfg: RaylaneConfig, tracking_uri: str, version: int, api_key: str 
             generation.speculate, serving.quantization, *guard, generation.draft_model,
             generation.max_adapters, generation.merge_adapter, serving.retry_after_s,
         )  # fmt: skip
+        placement |= {"dtype": serving.dtype, "cuda_graphs": serving.cuda_graphs}
     else:
         deployment, target = InferenceServer, serving.max_batch_size
         args = (*common, serving.max_batch_size, serving.batch_wait_timeout_s, *guard)
     return deployment.options(
         ray_actor_options={
             "num_cpus": serving.replica_cpus,
+            "num_gpus": serving.replica_gpus,
             "resources": dict(serving.replica_resources),
         },
         max_ongoing_requests=serving.max_ongoing_requests,
@@ -67,7 +70,7 @@ def build_app(cfg: RaylaneConfig, tracking_uri: str, version: int, api_key: str 
             "upscale_delay_s": scaling.upscale_delay_s,
             "downscale_delay_s": scaling.downscale_delay_s,
         },
-    ).bind(*args)
+    ).bind(*args, **placement)
 
 
 def load_api_key_for(cfg: RaylaneConfig) -> str | None:

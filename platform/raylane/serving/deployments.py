@@ -116,9 +116,11 @@ class InferenceServer:
         api_key_digest: str | None = None,
         max_body_bytes: int = 4 * 1024 * 1024,
         torch_threads: int = 1,
+        replica_gpus: float = 0.0,
     ):
         import torch
 
+        from raylane.generation.placement import serving_device
         from raylane.inference import Predictor
 
         torch.set_num_threads(torch_threads)
@@ -126,8 +128,9 @@ class InferenceServer:
         GUARD.max_body_bytes = max_body_bytes
         self.model_name = model_name
         self.predictor = Predictor.from_registry(
-            tracking_uri, registered_model, alias="", version=version
-        )
+            tracking_uri, registered_model, alias="", version=version,
+            device=serving_device(replica_gpus),
+        )  # fmt: skip
         self.predict_batch.set_max_batch_size(max_batch_size)
         self.predict_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
         self.batch_sizes: Counter[int] = Counter()

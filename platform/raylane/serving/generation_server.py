@@ -7,6 +7,8 @@ Each replica loads one registry version and decodes with a KV cache under contin
 (`raylane.generation.engine`, `raylane.serving.generation_loop`): `serving.generation
 .max_num_seqs` sequences decode together; more wait for a slot, and past Serve's queue bound a
 request gets 503 with Retry-After. The API-key guard and body limit are the inference routes'.
+A replica given GPUs (`serving.replica_gpus`) holds its model, draft, cache and adapters on its
+CUDA device, in `serving.dtype` (`raylane.generation.placement`).
 """
 
 # No `from __future__ import annotations` here: FastAPI must see the route parameters' real
@@ -77,11 +79,15 @@ class GenerationServer:
         max_adapters: int = 0,
         merge_adapter: bool = True,
         retry_after_s: float = 1.0,
+        replica_gpus: float = 0.0,
+        dtype: str = "fp32",
+        cuda_graphs: bool = False,
     ):
         import torch
 
         from raylane.generation.engine import GenerationEngine
         from raylane.generation.loader import load_draft_model, load_generation_model
+        from raylane.generation.placement import place_model, serving_device
         from raylane.serving.adapter_routing import AdapterDirectory
         from raylane.serving.generation_loop import GenerationLoop
         from raylane.serving.metrics import GenerationMetrics
@@ -91,21 +97,20 @@ class GenerationServer:
         GUARD.max_body_bytes = max_body_bytes
         self.model_name = model_name
         self.default_max_tokens = default_max_tokens
+        self.device, self.dtype = serving_device(replica_gpus), dtype
         served = load_generation_model(tracking_uri, registered_model, version, merge=merge_adapter)
-        model, self.card = served.model, served.card
-        self.quantization = quantization
-        if quantization == "int8":
-            from raylane.generation.quantize import quantize_int8
-
-            quantize_int8(model)
+        self.card, self.quantization = served.card, quantization
+        model = place_model(served.model, self.device, dtype, quantization)
         self.max_num_seqs = max_num_seqs
         metrics = GenerationMetrics(model_name, self.card.version)
         draft, self.draft_card = None, None
         if draft_model is not None:
             draft, self.draft_card = load_draft_model(tracking_uri, draft_model)
+            place_model(draft, self.device, dtype)  # never quantized: it is small
         own = served.own_adapter is not None
         slots = (max_adapters if served.base else 0) + own
-        engine = GenerationEngine(model, max_num_seqs, speculate, draft, max_adapters=slots)
+        decode = "cuda_graph" if cuda_graphs else "dynamic"
+        engine = GenerationEngine(model, max_num_seqs, speculate, draft, slots, decode)
         self.loop = GenerationLoop(engine, metrics)
         self.adapters = AdapterDirectory(model_name, served, self.loop, tracking_uri,
                                          retry_after_s, max_adapters)  # fmt: skip
@@ -218,6 +223,8 @@ class GenerationServer:
                     "speculate": engine.speculate,
                     "draft_model": self._draft_name(),
                     "quantization": self.quantization,
+                    "device": str(self.device),
+                    "dtype": self.dtype,
                     "acceptance_rate": engine.acceptance_rate,
                     "adapters": self.adapters.loaded(),
                     "replica_pid": os.getpid(),
@@ -235,6 +242,12 @@ class GenerationServer:
             settings += f", prompt lookup {speculate}"
         if self.quantization != "none":
             settings += f", {self.quantization} weights"
+        if self.dtype != "fp32":
+            settings += f", {self.dtype}"
+        if self.device.type != "cpu":
+            settings += f", on {self.device}"
+        if self.loop.engine.runner.static is not None:
+            settings += ", CUDA graphs"
         loaded = self.adapters.loaded()
         if loaded:  # adapters requested so far, beside the model itself
             settings += f", adapters {', '.join(name.split(':', 1)[1] for name in loaded)}"
