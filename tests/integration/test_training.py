@@ -68,7 +68,10 @@ def test_run_records_params_config_cluster_and_dataset(trained, client):
         "resources_per_worker": {"CPU": 0.5},
         "use_gpu": False,
         "placement_strategy": "PACK",
+        "precision": "fp32",
+        "compile": False,
     }
+    assert run.data.params["training.compile"] == "False"  # recorded with the run
     assert "git_commit" in snapshot["code"] and "git_dirty" in snapshot["code"]
 
     inputs = run.inputs.dataset_inputs

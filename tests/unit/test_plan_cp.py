@@ -60,10 +60,11 @@ def test_a_cp_worker_computes_and_holds_its_share_and_pays_the_ring_it_cannot_hi
 
 def test_a_sequence_no_device_holds_is_planned_with_context_parallelism(tmp_path):
     # 262,144 tokens per row and a 50,257-token vocabulary: one row's fp32 logits and softmax
-    # alone are 105 GB, more than an 80 GB device, whatever the layout does with the blocks.
+    # alone are 105 GB, more than an 80 GB device unless tp splits the head; an unfused
+    # attention's scores (5·a·s²·b/t per layer, 343 GB at tp 8) fit no layout without cp.
     shape = GPTShape(50257, 262144, 1024, 4)
     assert shape.context_length * shape.vocab_size * 8 > 80e9
-    work = Workload(shape, 8, 4, "bf16")
+    work = Workload(shape, 8, 4, "bf16", fused_attention=False)
     result = plan(work, load_cluster(A100_4X8))
     unsplit = [layout for layout, _ in result.pruned if layout.cp == 1]
     assert unsplit and all(p.layout.cp > 1 for p in result.ranked)
@@ -73,6 +74,17 @@ def test_a_sequence_no_device_holds_is_planned_with_context_parallelism(tmp_path
              "model.d_model=1024", "model.n_heads=8", "model.n_layers=4"]  # fmt: skip
     cfg = load_config(GPT_1P3B, [*model, *config_overrides(best, work)])
     assert (cfg.parallelism.cp, cfg.parallelism.workers) == (best.layout.cp, 32)
+
+
+def test_fused_attention_fits_the_same_sequence_without_context_parallelism():
+    """raylane's SDPA keeps a log-sum-exp, never the scores: at tp 8 with sequence
+    parallelism (the head split over the vocabulary) a row's 262,144 tokens fit one replica
+    of 8 A100s, and such a layout is planned first."""
+    work = Workload(GPTShape(50257, 262144, 1024, 4), 8, 4, "bf16")
+    result = plan(work, load_cluster(A100_4X8))
+    best = result.ranked[0]
+    assert best.layout.cp == 1 and best.layout.tp == 8 and best.layout.dims.sequence_parallel
+    assert best.memory_bytes < 0.9 * 80e9
 
 
 def test_the_measured_model_splits_a_cp_workers_compute_and_adds_the_exposed_ring():

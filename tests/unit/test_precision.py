@@ -54,7 +54,9 @@ def test_every_layout_accepts_bf16_and_the_run_records_it(layout):
 def test_an_unknown_precision_is_one_line_naming_the_field():
     with pytest.raises(ConfigError) as raised:
         load_config(LM, ["training.precision=fp16"])
-    assert str(raised.value) == f"{LM}: training.precision: Input should be 'fp32' or 'bf16'"
+    assert str(raised.value) == (
+        f"{LM}: training.precision: Input should be 'fp32', 'tf32' or 'bf16'"
+    )
 
 
 @pytest.mark.parametrize(

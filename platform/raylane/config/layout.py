@@ -191,6 +191,16 @@ def _check_options(cfg: RaylaneConfig) -> None:
         )
     if par.grad_compression != "none":
         _check_compression(par)
+    if cfg.training.precision == "tf32" and not par.use_gpu:
+        raise ValueError(
+            "training.precision 'tf32' is a GPU matmul mode (tensor cores); it needs "
+            "parallelism.use_gpu: true, and a CPU run trains in fp32"
+        )
+    if cfg.training.compile and par.cp > 1:
+        raise ValueError(
+            "training.compile cannot trace ring attention's sends and receives (parallelism.cp "
+            f"{par.cp}); compile a layout without context parallelism"
+        )
     if par.grad_compression == "bf16" and not par.use_gpu:
         raise ValueError(
             "parallelism.grad_compression 'bf16' needs NCCL (parallelism.use_gpu: true); "

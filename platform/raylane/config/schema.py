@@ -157,14 +157,22 @@ class TrainingConfig(StrictModel):
         description="Recompute each transformer block's activations in backward instead of "
         "holding them (gpt): less memory, more compute.",
     )
-    precision: Literal["fp32", "bf16"] = Field(
+    precision: Literal["fp32", "tf32", "bf16"] = Field(
         "fp32",
         description="Compute precision. 'bf16': forwards under bf16 autocast (the loss on fp32 "
         "logits), the parameters, gradients and optimizer state fp32 (master weights); FSDP2 "
         "also gathers parameters in bf16 and reduce-scatters gradients in fp32. It pays off on "
         "GPUs with bf16 and on CPUs with avx512_bf16 or AMX (the run says which) once the "
-        "matrices are large; elsewhere bf16 is emulated, slower than fp32. Recorded with the "
-        "run and used by the cost models.",
+        "matrices are large; elsewhere bf16 is emulated, slower than fp32. 'tf32' (GPU only: "
+        "parallelism.use_gpu): fp32 tensors, with fp32 matrix multiplications on the GPU's "
+        "TF32 tensor cores. Recorded with the run and used by the cost models.",
+    )
+    compile: bool = Field(
+        False,
+        description="Compile each transformer block with torch.compile (inductor), after "
+        "activation checkpointing and before FSDP, as torchtitan does: one graph serves every "
+        "block. The first steps pay the compilation (tens of seconds on a GPU). Not with "
+        "parallelism.cp > 1 (ring attention's transfers are not traced).",
     )
     resume_from: Path | None = Field(
         None,

@@ -1,18 +1,68 @@
 """The configured optimizer, built the same way wherever parameters are updated (the workers,
-or the parameter-server shards of asynchronous training)."""
+or the parameter-server shards of asynchronous training).
+
+Parameters are put in groups the optimizer's multi-tensor kernels can take whole. On CUDA,
+AdamW defaults to its foreach path, which runs one op over a whole group: a group that mixes
+DTensors (what a tensor-parallel plan or FSDP made of a block's weights) with plain tensors
+(the embeddings and norms the plan left alone) stops at the first step with `got mixed
+torch.Tensor and DTensor`, and DTensors of different meshes cannot meet in one op either. So
+each group holds one kind: plain tensors of one device, or DTensors of one mesh. Groups of
+plain CUDA tensors take the fused kernel (one launch for the whole update). On the CPU the
+per-tensor path stays the default, so CPU runs step exactly as before.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import sys
+from collections.abc import Hashable, Iterable
 
 import torch
 
+KINDS = ("adamw", "sgd")
+
+
+def _group_key(param: torch.Tensor) -> Hashable:
+    """Which group `param` belongs in: its DTensor mesh, or its device for a plain tensor. (No
+    DTensor exists unless torch's DTensor module was imported: a data-parallel worker does
+    not pay that import here.)"""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(param, dtensor.DTensor):
+        return ("dtensor", param.device_mesh)
+    return ("plain", param.device)
+
+
+def param_groups(params: Iterable[torch.nn.Parameter]) -> list[dict]:
+    """`params` split into groups that never mix DTensors with plain tensors, meshes or devices
+    (in order of first appearance, each group's parameters in their original order); plain
+    CUDA groups marked `fused`."""
+    groups: dict[Hashable, list[torch.nn.Parameter]] = {}
+    for param in params:
+        groups.setdefault(_group_key(param), []).append(param)
+    found = []
+    for (kind, where), members in groups.items():
+        group: dict = {"params": members}
+        if kind == "plain" and where.type == "cuda":
+            group["fused"] = True
+        found.append(group)
+    return found
+
 
 def build_optimizer(
-    params: Iterable[torch.nn.Parameter], kind: str, lr: float, weight_decay: float
+    params: Iterable[torch.nn.Parameter],
+    kind: str,
+    lr: float,
+    weight_decay: float,
+    foreach: bool | None = None,
 ) -> torch.optim.Optimizer:
+    """The optimizer `kind` over `params` (grouped by `param_groups`). `foreach` forces the
+    multi-tensor path of groups that are not fused (None: torch's choice for the device; a
+    CPU test passes True to take the path CUDA takes)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown optimizer {kind!r}; available: {', '.join(KINDS)}")
+    groups = param_groups(params)
+    for group in groups:
+        if foreach is not None and not group.get("fused"):
+            group["foreach"] = foreach
     if kind == "adamw":
-        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=lr, weight_decay=weight_decay)
-    raise ValueError(f"unknown optimizer {kind!r}; available: adamw, sgd")
+        return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
+    return torch.optim.SGD(groups, lr=lr, weight_decay=weight_decay)

@@ -22,7 +22,6 @@ from torch import nn
 
 from raylane.config import RaylaneConfig
 from raylane.parallel.base import WholeModelReplica, world_size
-from raylane.parallel.parallelize import parallelize
 from raylane.parallel.param_server import ParameterShard, StalenessClock, assign_shards
 
 NAMESPACE = "raylane-param-server"
@@ -45,11 +44,7 @@ class ParameterServerTraining(WholeModelReplica):
         self.run_tables: dict[str, dict] = {}
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        from ray.train.torch import get_device
-
-        self.device = get_device()
-        model = parallelize(model, None, activation_checkpointing=self.activation_checkpointing)
-        self.model = model.to(self.device)
+        self.model = self.place(model)
         self.params = list(self.model.parameters())
         return self.model
 
@@ -96,7 +91,7 @@ class ParameterServerTraining(WholeModelReplica):
     def _load(self, shard: int, values: list[np.ndarray], version: int) -> None:
         with torch.no_grad():
             for index, value in zip(self.owned[shard], values, strict=True):
-                self.params[index].copy_(torch.as_tensor(value))
+                self.params[index].copy_(torch.as_tensor(value, device=self.device))
         self.versions[shard] = version
 
     def sync_gradients(self, model: nn.Module) -> None:

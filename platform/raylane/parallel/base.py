@@ -16,12 +16,22 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn import Module
+from torch.nn import functional as F
 from torch.optim import Optimizer
 
+from raylane.parallel.device import CPU, to_device, worker_device
 from raylane.parallel.meters import ActivationMeter
+from raylane.parallel.parallelize import parallelize
 from raylane.parallel.precision import autocast
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The loss every strategy's step takes: cross-entropy over the outputs' last dimension,
+    which covers classification (`[B, C]` vs `[B]`) and language modelling (`[B, T, V]` vs
+    `[B, T]`)."""
+    return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
 
 
 class ParallelStrategy(Protocol):
@@ -50,6 +60,9 @@ class ParallelStrategy(Protocol):
     activations: ActivationMeter | None
     #: JSON tables rank 0 logs with the run each epoch (name -> dict).
     run_tables: dict[str, dict]
+    #: Where this worker's model computes (`raylane.parallel.device.worker_device`): batches
+    #: are copied there, and its outputs and losses stay there.
+    device: torch.device
 
     def steps_done(self) -> None:
         """This worker's steps of an epoch are over, before the epoch's collectives (a worker
@@ -90,7 +103,8 @@ class StrategyDefaults:
     """The one training step every strategy but the pipeline's runs, and what a strategy that
     has nothing special there does for the protocol's other parts: one checkpoint file per
     part, the loop's own activation meter, no run tables, nothing to do when its steps end, the
-    plain model, evaluation on this worker's device, no epoch stats.
+    plain model, evaluation on this worker's device (its outputs stay there: the loop sums on
+    the device and syncs once an epoch), no epoch stats.
 
     The step is zero_grad -> forward -> backward -> `sync_gradients` -> optimizer step (unless
     the strategy's parameters are updated elsewhere: `steps_optimizer`) -> `after_step`; the
@@ -104,7 +118,7 @@ class StrategyDefaults:
     writes_part = False
     activations: ActivationMeter | None = None
     run_tables: dict[str, dict] = {}  # noqa: RUF012 - a strategy that has tables sets its own
-    device: torch.device = torch.device("cpu")
+    device: torch.device = CPU
     #: False where the parameters come back from elsewhere (a parameter server).
     steps_optimizer = True
     #: Optimizer steps taken since the strategy's epoch stats last reset.
@@ -141,9 +155,9 @@ class StrategyDefaults:
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         with autocast(self.precision, self.device):
-            outputs = model(inputs.to(self.device))
+            outputs = model(to_device(inputs, self.device))
         with self.loss_scope():
-            loss = loss_fn(outputs.float(), targets.to(self.device))
+            loss = loss_fn(outputs.float(), to_device(targets, self.device))
             backward_started = time.perf_counter()
             loss.backward()
             backward_done = time.perf_counter()
@@ -174,7 +188,7 @@ class StrategyDefaults:
         self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     ) -> torch.Tensor | None:
         with autocast(self.precision, self.device):
-            return model(inputs.to(self.device)).float().cpu()
+            return model(to_device(inputs, self.device)).float()
 
     def epoch_stats(self) -> dict[str, float]:
         return {}
@@ -197,7 +211,9 @@ class WholeModelReplica(StrategyDefaults):
     def __init__(self, cfg, rank: int):
         self.name = cfg.parallelism.strategy
         self.rank = rank
+        self.device = worker_device(cfg.parallelism.use_gpu)
         self.activation_checkpointing = cfg.training.activation_checkpointing
+        self.compile_blocks = cfg.training.compile
         self.precision = cfg.training.precision
         self.saves_checkpoint = rank == 0
         self.last_step_parts: dict[str, float] = {}
@@ -207,6 +223,17 @@ class WholeModelReplica(StrategyDefaults):
             # samples a step trains on does not depend on how many workers there are.
             self.splits_dataset = False
             self.data_rank, self.data_world = rank, world_size()
+
+    def place(self, model: nn.Module) -> nn.Module:
+        """The plain model on this worker's device, with the layout's steps that apply to a
+        whole-model replica (activation checkpointing, compile): what each strategy then
+        synchronises its own way."""
+        return parallelize(
+            model.to(self.device),
+            None,
+            activation_checkpointing=self.activation_checkpointing,
+            compile_blocks=self.compile_blocks,
+        )
 
 
 def world_size() -> int:

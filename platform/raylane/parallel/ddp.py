@@ -8,7 +8,6 @@ from torch.nn.parallel import DistributedDataParallel
 from raylane.config import RaylaneConfig
 from raylane.parallel.base import WholeModelReplica
 from raylane.parallel.grad_compression import register_compression, take_comm_stats
-from raylane.parallel.parallelize import parallelize
 
 
 class DataParallel(WholeModelReplica):
@@ -22,12 +21,11 @@ class DataParallel(WholeModelReplica):
     def wrap_model(self, model: nn.Module) -> nn.Module:
         from ray.train.torch import prepare_model
 
-        # prepare_model moves the model to the worker's device and wraps it in DDP when the
-        # worker group has more than one worker.
-        model = parallelize(model, None, activation_checkpointing=self.activation_checkpointing)
-        model = prepare_model(model, parallel_strategy="ddp")
+        # prepare_model wraps it in DDP (on this worker's GPU: device_ids) when the worker group
+        # has more than one worker; the model is already where `place` put it.
+        placed = self.place(model)
+        model = prepare_model(placed, move_to_device=self.device, parallel_strategy="ddp")
         self.meter = register_compression(model, self.grad_compression, self.topk_ratio)
-        self.device = next(model.parameters()).device
         return model
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:

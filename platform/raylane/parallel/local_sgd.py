@@ -14,7 +14,6 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 
 from raylane.config import RaylaneConfig
 from raylane.parallel.base import WholeModelReplica, world_size
-from raylane.parallel.parallelize import parallelize
 
 
 def _distributed() -> bool:
@@ -27,11 +26,7 @@ class LocalSGD(WholeModelReplica):
         self.period = cfg.parallelism.local_sgd_period
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        from ray.train.torch import get_device
-
-        self.device = get_device()
-        model = parallelize(model, None, activation_checkpointing=self.activation_checkpointing)
-        model = model.to(self.device)
+        model = self.place(model)
         if _distributed():  # one starting point for every replica
             for tensor in model.state_dict().values():
                 dist.broadcast(tensor, src=0)

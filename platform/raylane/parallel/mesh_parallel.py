@@ -19,6 +19,7 @@ from raylane.config import RaylaneConfig
 from raylane.config.dims import ParallelDims
 from raylane.parallel.base import StrategyDefaults
 from raylane.parallel.collectives import average_gradients
+from raylane.parallel.device import to_device, worker_device
 from raylane.parallel.mesh import build_device_mesh
 from raylane.parallel.parallelize import parallelize
 from raylane.parallel.precision import autocast
@@ -35,8 +36,9 @@ class MeshParallel(StrategyDefaults):
     def __init__(self, cfg: RaylaneConfig, rank: int):
         par = cfg.parallelism
         self.name = par.strategy
-        self.device = torch.device("cuda" if par.use_gpu else "cpu")
+        self.device = worker_device(par.use_gpu)
         self.activation_checkpointing = cfg.training.activation_checkpointing
+        self.compile_blocks = cfg.training.compile
         self.precision = cfg.training.precision
         self.mesh = build_device_mesh(ParallelDims.from_parallelism(par), self.device.type)
         self.dp, self.tp = self.mesh.dp, self.mesh.tp
@@ -65,10 +67,6 @@ class MeshParallel(StrategyDefaults):
             )
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        if self.device.type == "cuda":
-            from ray.train.torch import get_device
-
-            self.device = get_device()
         return parallelize(
             model.to(self.device),
             self.mesh,
@@ -76,6 +74,7 @@ class MeshParallel(StrategyDefaults):
             precision=self.precision,
             ring_traffic=self.ring,
             vocabulary_loss=self.vocabulary_loss,
+            compile_blocks=self.compile_blocks,
         )
 
     def loss_scope(self):
@@ -116,10 +115,10 @@ class MeshParallel(StrategyDefaults):
         self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     ) -> torch.Tensor | None:
         with autocast(self.precision, self.device):
-            outputs = model(inputs.to(self.device))  # every tp worker takes part
+            outputs = model(to_device(inputs, self.device))  # every tp worker takes part
         if self.vocabulary_loss:  # each worker's logits are its share of the vocabulary
             outputs = outputs.full_tensor()
-        outputs = outputs.float().cpu()
+        outputs = outputs.float()
         if self.ring is not None:  # an evaluation's ring waits belong to no training step
             self.ring_waited_s = self.ring.wait_s
         return outputs if self.reports_loss else None

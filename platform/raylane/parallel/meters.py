@@ -80,6 +80,24 @@ def model_state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) 
     }
 
 
+def worker_memory(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    activations: ActivationMeter,
+    device: torch.device,
+) -> dict[str, int]:
+    """This worker's model state and activation peak (bytes), and on a GPU the most device
+    memory its allocator has held so far (`device_peak`: what must fit in the GPU; a CPU
+    run's counterpart is the process's peak RSS)."""
+    from raylane.parallel.device import peak_device_memory_bytes
+
+    memory = {**model_state_bytes(model, optimizer), "activation_peak": activations.peak_bytes}
+    device_peak = peak_device_memory_bytes(device)
+    if device_peak is not None:
+        memory["device_peak"] = device_peak
+    return memory
+
+
 class _Held:
     """A tensor saved for backward; counts its bytes as held until autograd releases it."""
 

@@ -6,7 +6,10 @@ pipeline stage of it.
 2. tensor parallel: the model's own plan (`raylane.models.gpt_plan`) over the `tp` sub-mesh
    (with sequence parallelism: its norms and residuals on sequence shards);
 3. activation checkpointing: each block recomputed in backward;
-4. FSDP2 over the `dp_shard` sub-mesh: block by block, then the rest as the root unit (with
+4. `training.compile`: each block's forward compiled by torch.compile (torchtitan's regional
+   compile: every block has the same code, so one graph serves them all; compiled after the
+   checkpointing it must trace, before FSDP, whose hooks stay outside it);
+5. FSDP2 over the `dp_shard` sub-mesh: block by block, then the rest as the root unit (with
    bf16 `training.precision`, its mixed-precision policy: `raylane.parallel.precision`).
 
 Each step is one function and runs only where its degree (or setting) asks for it, so any
@@ -91,6 +94,19 @@ def apply_context_parallel(
     return model
 
 
+def apply_compile(model: nn.Module, backend: str = "inductor") -> nn.Module:
+    """Compile each block's forward with torch.compile (`backend`: inductor in a run; tests pass
+    a cheaper one), in place. The block's `forward` is replaced rather than the module
+    compiled (`nn.Module.compile`), so parameter names stay the plain model's and an
+    activation-checkpointed forward (a `checkpoint` partial, which `Module.compile`'s frame
+    skips: nothing compiled) is traced, recomputation included. A model without blocks (the
+    classifiers) is compiled whole, as one region."""
+    blocks = getattr(model, "blocks", None)
+    for region in blocks.values() if blocks is not None else [model]:
+        region.forward = torch.compile(region.forward, backend=backend)
+    return model
+
+
 def apply_fsdp(model: nn.Module, shard_mesh: DeviceMesh, precision: str = "fp32") -> nn.Module:
     """Shard `model` (a whole GPT or a pipeline stage of one) over `shard_mesh`, block by block
     and then the rest as the root unit, in place: only one block's full parameters exist at a
@@ -114,18 +130,23 @@ def parallelize(
     precision: str = "fp32",
     ring_traffic=None,
     vocabulary_loss: bool = False,
+    compile_blocks: bool = False,
+    compile_backend: str = "inductor",
 ) -> nn.Module:
     """Apply the layout's parallelisms to `model` in order (in place; returns it). `mesh` is
     None for layouts whose workers each hold the whole model (nothing to split or shard).
     `ring_traffic` measures context parallelism's ring (`apply_context_parallel`);
     `vocabulary_loss`: the caller computes the loss under `sharded_loss`, so a
-    sequence-parallel model's head may return vocabulary-sharded logits."""
+    sequence-parallel model's head may return vocabulary-sharded logits; `compile_blocks`
+    (`training.compile`) compiles each block with `compile_backend` (`apply_compile`)."""
     if mesh is not None and mesh.dims.cp_enabled:
         apply_context_parallel(model, mesh.cp_group, mesh.cp_rank, mesh.dims.cp, ring_traffic)
     if mesh is not None and mesh.dims.tp_enabled:
         apply_tensor_parallel(model, mesh.tp_mesh, mesh.dims.sequence_parallel, vocabulary_loss)
     if activation_checkpointing:
         apply_activation_checkpointing(model)
+    if compile_blocks:
+        apply_compile(model, compile_backend)
     if mesh is not None and mesh.dims.fsdp_enabled:
         apply_fsdp(model, mesh.shard_mesh, precision)
     return model

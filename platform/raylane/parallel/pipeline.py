@@ -28,6 +28,7 @@ from raylane.config.dims import ParallelDims
 from raylane.config.layout import stage_boundaries
 from raylane.parallel.base import LossFn, StrategyDefaults
 from raylane.parallel.collectives import average_gradients
+from raylane.parallel.device import to_device, worker_device
 from raylane.parallel.mesh import build_device_mesh
 from raylane.parallel.meters import ActivationMeter, StageTimer
 from raylane.parallel.parallelize import parallelize
@@ -61,9 +62,10 @@ class PipelineParallel(StrategyDefaults):
         self.name = par.strategy
         self.microbatches = par.microbatches
         self.activation_checkpointing = cfg.training.activation_checkpointing
+        self.compile_blocks = cfg.training.compile
         self.precision = cfg.training.precision
         self.schedule_name = par.schedule
-        self.device = torch.device("cuda" if par.use_gpu else "cpu")
+        self.device = worker_device(par.use_gpu)
         self.mesh = build_device_mesh(ParallelDims.from_parallelism(par), self.device.type)
         self.sharded = self.mesh.dims.fsdp_enabled
         self.stage_index = self.mesh.pp_rank
@@ -86,16 +88,13 @@ class PipelineParallel(StrategyDefaults):
         self._schedule = None
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        if self.device.type == "cuda":
-            from ray.train.torch import get_device
-
-            self.device = get_device()
         module = build_stage_module(model, self.stage_index, self.bounds).to(self.device)
         parallelize(
             module,
             self.mesh,
             activation_checkpointing=self.activation_checkpointing,
             precision=self.precision,
+            compile_blocks=self.compile_blocks,
         )
         self.stage = PipelineStage(
             module, self.stage_index, self.num_stages, self.device, group=self.mesh.pp_group
@@ -116,10 +115,10 @@ class PipelineParallel(StrategyDefaults):
         return self._schedule
 
     def _run(self, method: str, inputs: torch.Tensor, targets: torch.Tensor | None, losses):
-        args = (inputs.to(self.device),) if self.is_first else ()
+        args = (to_device(inputs, self.device),) if self.is_first else ()
         kwargs = {}
         if self.is_last and targets is not None:
-            kwargs = {"target": targets.to(self.device), "losses": losses}
+            kwargs = {"target": to_device(targets, self.device), "losses": losses}
         return getattr(self._schedule, method)(*args, **kwargs)
 
     def train_step(
@@ -155,7 +154,7 @@ class PipelineParallel(StrategyDefaults):
         with self.timer.paused():
             # The last stage's schedule computes the loss whenever it has a loss function.
             output = self._run("eval", inputs, targets, [])
-        return output.float().cpu() if self.reports_loss else None
+        return output.float() if self.reports_loss else None
 
     def epoch_stats(self) -> dict[str, float]:
         """Per-stage busy/idle time and activation peak, gathered from every worker; the

@@ -29,11 +29,17 @@ scatter and an all-gather in place of each all-reduce), so sequence parallelism'
 the backward's second all-gather of the column-wise matmuls' inputs (raylane's waits for it;
 Megatron overlaps it with the weight gradients); outside a pipeline the head is split over the
 vocabulary too, so the fp32 logits and their softmax are divided by t. The formula's 5·a·s²·b/t
-term is the score matrix that attention without a fused kernel saves; under context parallelism
-s is the worker's T/cp and ring attention saves no scores (its backward recomputes them from the
-log-sum-exp it keeps), so that term is replaced by what the kernel does hold: the log-sum-exp,
-fp32 copies of q, k, v and its output under bf16, and one ring step's fp32 (T/cp)² blocks per
-head while a layer computes.
+term is the score matrix that attention without a fused kernel saves. raylane's attention is
+torch's `scaled_dot_product_attention`, which takes a fused kernel on every device it trains on
+(flash, cuDNN or memory-efficient on CUDA, the flash kernel on CPUs; seen in its autograd
+graph: q, k, v, the output and an fp32 log-sum-exp are saved): it never stores the T x T
+scores, so a fused workload (`Workload.fused_attention`, the default) charges the log-sum-exp,
+4·a·s·b/t bytes, in their place (charging the scores had put an H200 step of an 86M GPT at T
+1,024 at 35.9 GB against 13.9 GB measured). Under context parallelism s is the worker's T/cp
+and ring attention saves no scores either (its backward recomputes them from the log-sum-exp
+it keeps), so that term is replaced by what its kernel holds: the log-sum-exp, fp32 copies of
+q, k, v and its output under bf16, and one ring step's fp32 (T/cp)² blocks per head while a
+layer computes.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ from raylane.plan.ring import RING_VALUE_BYTES, exposed_ring_s, kv_block_bytes, 
 #: Fraction of the accelerator's peak FLOP/s that the model's matrix multiplications reach.
 #: An assumption, not a measurement: large GEMMs on current GPUs reach 60-80 % of peak.
 DEFAULT_EFFICIENCY = 0.7
+#: Bytes of a fused attention kernel's log-sum-exp per head and token (fp32 in every precision).
+LSE_BYTES = 4
 #: Share of device memory a plan may fill (the rest: allocator, workspaces, fragmentation).
 MEMORY_HEADROOM = 0.9
 
@@ -121,6 +129,10 @@ class Workload:
     #: The output layer split over tp (Megatron's vocab-parallel head) in every layout; raylane
     #: splits it only under sequence parallelism outside a pipeline, and keeps it whole otherwise.
     head_split_by_tp: bool = False
+    #: Attention by a fused kernel that keeps a log-sum-exp instead of the T x T scores (torch's
+    #: SDPA on CUDA and on CPUs, raylane's attention); False: an unfused (math) attention that
+    #: saves the scores, their softmax and its dropout, Korthikanti's 5·a·s²·b.
+    fused_attention: bool = True
 
     @property
     def seq(self) -> int:
@@ -288,8 +300,11 @@ def _activation_bytes(work: Workload, layout: Layout, micro_rows: float) -> floa
     scale = work.value_bytes / 2  # the formula counts 16-bit activations
     ring_saved, ring_working = _ring_attention_bytes(work, layout, micro_rows)
     regions = 10 / t if layout.dims.sequence_parallel else 10  # norms, residuals
-    scores = 0.0 if layout.cp > 1 else 5 * a * s / (h * t)  # ring attention saves none
-    whole = s * micro_rows * h * (regions + 24 / t + scores) * scale + ring_saved
+    unfused = layout.cp == 1 and not work.fused_attention  # ring attention saves no scores
+    scores = 5 * a * s / (h * t) if unfused else 0.0
+    # A fused kernel's fp32 log-sum-exp per head and token (ring attention's: `ring_saved`).
+    lse = LSE_BYTES * micro_rows * s * a / t if layout.cp == 1 and not unfused else 0.0
+    whole = s * micro_rows * h * (regions + 24 / t + scores) * scale + ring_saved + lse
     per_layer, recomputed = whole, 0.0
     if layout.activation_checkpointing:
         per_layer, recomputed = 2 * s * micro_rows * h * scale, whole

@@ -99,19 +99,34 @@ def _first_error(path: Path, exc: ValidationError, entry: str = "") -> HardwareE
     return HardwareError(f"{path}: {where}: {message}")
 
 
+def _catalog_device(accelerator: str, catalog: Path, where: str = "") -> Accelerator:
+    """The catalog's entry for `accelerator`, validated; `where` prefixes a missing name."""
+    entries = _read(catalog)
+    if accelerator not in entries:
+        raise HardwareError(
+            f"{where}accelerator {accelerator!r} is not in {catalog} "
+            f"(known: {', '.join(sorted(entries))})"
+        )
+    try:
+        return Accelerator.model_validate(entries[accelerator])
+    except ValidationError as exc:
+        raise _first_error(catalog, exc, accelerator) from None
+
+
+def catalog_cluster(
+    accelerator: str, nodes: int = 1, devices_per_node: int = 1, catalog: Path = DEFAULT_CATALOG
+) -> Cluster:
+    """A cluster of `nodes` x `devices_per_node` of the catalog's `accelerator`, without a
+    cluster file (what a check on the GPU at hand predicts for)."""
+    device = _catalog_device(accelerator, catalog)
+    spec = ClusterSpec(nodes=nodes, devices_per_node=devices_per_node, accelerator=accelerator)
+    return Cluster(spec, device, basis="catalog")
+
+
 def load_cluster(path: Path, catalog: Path = DEFAULT_CATALOG) -> Cluster:
     try:
         spec = ClusterSpec.model_validate(_read(path))
     except ValidationError as exc:
         raise _first_error(path, exc) from None
-    entries = _read(catalog)
-    if spec.accelerator not in entries:
-        raise HardwareError(
-            f"{path}: accelerator {spec.accelerator!r} is not in {catalog} "
-            f"(known: {', '.join(sorted(entries))})"
-        )
-    try:
-        device = Accelerator.model_validate(entries[spec.accelerator])
-    except ValidationError as exc:
-        raise _first_error(catalog, exc, spec.accelerator) from None
+    device = _catalog_device(spec.accelerator, catalog, f"{path}: ")
     return Cluster(spec, device, basis="catalog")

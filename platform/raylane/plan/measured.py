@@ -33,8 +33,9 @@ torch's fused attention, and raylane's ring kernel is slower per block (explicit
 softmax: `benchmarks/README.md`, long_context), which the first measured trial's calibration
 absorbs. The model's gradients are averaged over the dp x cp workers after backward.
 
-Memory is the worker's resident baseline plus model state (parameters, gradients, optimizer
-state, sharded as the strategy shards them) plus the activations autograd saves (per row, as
+Memory is the worker's baseline (resident memory on CPUs; on a GPU run the device's, as
+torch's allocator counts it) plus model state (parameters, gradients, optimizer state,
+sharded as the strategy shards them) plus the activations autograd saves (per row, as
 profiled) for the micro-batches a stage holds at once: 1/cp of them under context parallelism
 (activations are linear in T: attention saves its output and log-sum-exp, never T x T
 scores), and with sequence parallelism six T x d inputs per block (the two LayerNorms', and
@@ -353,11 +354,22 @@ def _ring_s(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
 
 
 def _peak_memory_mb(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
-    """Baseline and model state as the strategy holds it (activations: `_activation_bytes`)."""
+    """Baseline and model state as the strategy holds it (activations: `_activation_bytes`).
+    A GPU run's memory is its device's (what a GPU trial reports, `worker_device_peak_mb`):
+    the baseline is what the device held before any model, not the process's RSS (the CUDA
+    context and libraries live in host memory)."""
     state_per_param = _STATE_BYTES_PER_PARAM[cfg.training.optimizer]
     if cfg.training.precision == "bf16":
         state_per_param += _BF16_WEIGHT_COPY_BYTES
-    return profile["baseline_rss_mb"] + state_per_param * shape.params_held / 2**20
+    return _baseline_mb(profile, cfg) + state_per_param * shape.params_held / 2**20
+
+
+def _baseline_mb(profile: dict, cfg: RaylaneConfig) -> float:
+    """A worker's memory before any model: on a GPU run the device's, as its profile measured
+    it (0 for a profile measured on CPUs: nothing of a GPU run's was), else the RSS."""
+    if cfg.parallelism.use_gpu:
+        return profile.get("baseline_device_mb", 0.0)
+    return profile["baseline_rss_mb"]
 
 
 def _activation_bytes(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:

@@ -33,7 +33,7 @@ import resource
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from raylane.plan.fits import block_train_flops, compute_fit, link_fit
@@ -45,32 +45,53 @@ from raylane.plan.profile_layouts import (
     time_schedules,
     time_wrapped_blocks,
 )
+from raylane.plan.profile_links import time_all_reduce, time_p2p
 
 ROWS = (2, 8, 32)
 MICROBATCHES = (2, 8)
 SCHEDULE_ROWS = 2
-SIZES = tuple(4**k * 1024 for k in range(1, 7))  # 4 KiB .. 4 MiB
 REPEATS = 5
 WARMUP = 3
 SETTLE_S = 3.0
 
 
 def _median_s(
-    step: Callable[[], None], repeats: int = REPEATS, sync: Callable[[], None] | None = None
+    step: Callable[[], None],
+    repeats: int = REPEATS,
+    sync: Callable[[], None] | None = None,
+    device=None,
 ) -> float:
     """Median seconds of `step`. With `sync` (a barrier of the workers measuring together),
     every repetition starts on all of them at once, as a run's steps do, so that each is timed
-    sharing the cores with the others' same work rather than with whatever they are at."""
+    sharing the cores with the others' same work rather than with whatever they are at. On a
+    CUDA `device` the clock is read after the queued work is done (`synchronize`), not when
+    its kernels were launched."""
+    from raylane.parallel.device import synchronize
+
     for _ in range(WARMUP):
         step()
     times = []
     for _ in range(repeats):
         if sync is not None:
             sync()
+        if device is not None:
+            synchronize(device)
         started = time.perf_counter()
         step()
+        if device is not None:
+            synchronize(device)
         times.append(time.perf_counter() - started)
     return statistics.median(times)
+
+
+@dataclass(frozen=True)
+class _Timer:
+    """`_median_s` on one worker's device: what every measurement of the profile times with."""
+
+    device: Any
+
+    def __call__(self, step, repeats: int = REPEATS, sync=None) -> float:
+        return _median_s(step, repeats, sync, self.device)
 
 
 def _parts(cfg):
@@ -81,17 +102,17 @@ def _parts(cfg):
     return Block(m.d_model, m.n_heads), GPT(m.num_classes, m.input_dim, m.d_model, m.n_heads, 0)
 
 
-def _time_compute(cfg, sync=None) -> dict[str, dict[int, float]]:
+def _time_compute(cfg, median_s, device, sync=None) -> dict[str, dict[int, float]]:
     import torch
 
     from raylane.train.loop import cross_entropy
 
     m = cfg.model
-    block, ends = _parts(cfg)
+    block, ends = (part.to(device) for part in _parts(cfg))
     found: dict[str, dict[int, float]] = {"block": {}, "block_forward": {}, "ends": {}}
     for rows in ROWS:
-        hidden = torch.randn(rows, m.input_dim, m.d_model, requires_grad=True)
-        tokens = torch.randint(0, m.num_classes, (rows, m.input_dim))
+        hidden = torch.randn(rows, m.input_dim, m.d_model, device=device, requires_grad=True)
+        tokens = torch.randint(0, m.num_classes, (rows, m.input_dim), device=device)
 
         def train_block(hidden=hidden):
             block(hidden).sum().backward()
@@ -103,20 +124,20 @@ def _time_compute(cfg, sync=None) -> dict[str, dict[int, float]]:
         def train_ends(tokens=tokens):
             cross_entropy(ends(tokens), tokens).backward()
 
-        found["block"][rows] = _median_s(train_block, sync=sync)
-        found["block_forward"][rows] = _median_s(forward_block, sync=sync)
-        found["ends"][rows] = _median_s(train_ends, sync=sync)
+        found["block"][rows] = median_s(train_block, sync=sync)
+        found["block_forward"][rows] = median_s(forward_block, sync=sync)
+        found["ends"][rows] = median_s(train_ends, sync=sync)
     return found
 
 
-def _time_optimizer(cfg, sync=None) -> float:
+def _time_optimizer(cfg, median_s, device, sync=None) -> float:
     """Seconds per parameter of one optimizer step (timed with a refill of the gradients)."""
     import torch
 
     from raylane.models import build_model
     from raylane.models.optim import build_optimizer
 
-    model = build_model(cfg.model)
+    model = build_model(cfg.model).to(device)
     params = list(model.parameters())
     for p in params:
         p.grad = torch.randn_like(p)
@@ -128,11 +149,13 @@ def _time_optimizer(cfg, sync=None) -> float:
         for p in params:
             p.grad.normal_()
 
-    return _median_s(step, sync=sync) / sum(p.numel() for p in params)
+    return median_s(step, sync=sync) / sum(p.numel() for p in params)
 
 
 def _saved_bytes_per_row(module, make_input) -> float:
-    """Bytes autograd saves for backward in one forward, per row (from two row counts)."""
+    """Bytes autograd saves for backward in one forward, per row (from two row counts), on
+    the device `module` and its inputs are on (the attention kernel, and so what it saves,
+    is the device's)."""
     import torch
 
     def saved(rows: int) -> int:
@@ -150,51 +173,17 @@ def _saved_bytes_per_row(module, make_input) -> float:
     return (saved(8) - saved(4)) / 4
 
 
-def _time_collectives(group) -> dict[int, float]:
-    import torch
-    import torch.distributed as dist
-
-    found = {}
-    for size in SIZES:
-        tensor = torch.zeros(size // 4)
-
-        def reduce(tensor=tensor):
-            dist.all_reduce(tensor, group=group)
-
-        found[size] = _median_s(reduce)
-    return found
-
-
-def _time_p2p(rank: int) -> dict[int, float]:
-    import torch
-    import torch.distributed as dist
-
-    found = {}
-    for size in SIZES:
-        tensor = torch.zeros(size // 4)
-
-        def exchange(tensor=tensor):
-            # One round trip between ranks 0 and 1; the others wait at the next barrier.
-            if rank == 0:
-                dist.send(tensor, 1)
-                dist.recv(tensor, 1)
-            elif rank == 1:
-                dist.recv(tensor, 0)
-                dist.send(tensor, 0)
-
-        dist.barrier()
-        found[size] = _median_s(exchange) / 2
-    return found
-
-
 def profile_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     """What each Ray Train worker of the profile job runs; rank 0 returns the figures (the
-    median over the workers that measured)."""
+    median over the workers that measured). Everything is measured on the worker's device
+    (its GPU with `parallelism.use_gpu`, collectives over NCCL), in the run's matmul mode."""
     import ray.train
     import torch
     import torch.distributed as dist
 
     from raylane.config import RaylaneConfig
+    from raylane.parallel.device import worker_device
+    from raylane.parallel.precision import apply_matmul_precision
     from raylane.train.loop import worker_threads
 
     # The worker group's start-up (its processes importing, Ray Train's controller) holds the
@@ -202,6 +191,8 @@ def profile_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     time.sleep(SETTLE_S)
     baseline_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     cfg = RaylaneConfig.model_validate(loop_config["config"])
+    device = worker_device(cfg.parallelism.use_gpu)
+    apply_matmul_precision(cfg.training.precision)
     levels: list[int] = loop_config.get("concurrency") or [cfg.parallelism.workers]
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
@@ -211,45 +202,60 @@ def profile_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     # the store, so that they leave the cores to the ranks measuring.
     groups = {k: dist.new_group(list(range(k))) for k in levels if distributed and k > 1}
     pair = groups.get(2) or (dist.new_group([0, 1]) if distributed else None)
-    meshes = build_meshes(world, levels, cfg.model.n_heads) if distributed else {}
+    meshes = build_meshes(world, levels, cfg.model.n_heads, device.type) if distributed else {}
     shard = start_param_server(cfg, rank, distributed)
     mine: dict[str, Any] = {"baseline_rss_mb": baseline_rss_mb, "levels": {}}
+    if device.type == "cuda":  # what the device holds before any model: the GPU's baseline
+        mine["baseline_device_mb"] = torch.cuda.memory_allocated(device) / 2**20
+    median_s = _Timer(device)
     for k in levels:
         if rank < k:
             torch.set_num_threads(worker_threads(cfg, k))
-            sync = _barrier(groups.get(k))
-            level = _time_blocks(cfg, meshes.get(k), sync)
-            if k in groups:
-                level["all_reduce"] = _time_collectives(groups[k])
-                level["ddp"] = time_ddp(cfg, groups[k], ROWS, REPEATS)
-            level["ps_push"] = time_param_server(cfg, shard, _median_s, sync)
-            if k >= 2 and rank < 2:
-                level["schedules"] = time_schedules(
-                    cfg, rank, pair, MICROBATCHES, SCHEDULE_ROWS, _median_s
-                )
-            _keep_faster(level, _time_blocks(cfg, meshes.get(k), sync))
+            level = _measure_level(cfg, k, rank, groups, pair, meshes.get(k), shard, median_s)
             mine["levels"][k] = level
         _wait_for_level(rank, k, distributed)
     torch.set_num_threads(worker_threads(cfg, world))
     if distributed:
         dist.barrier()
-        mine["p2p"] = _time_p2p(rank)
+        mine["p2p"] = time_p2p(rank, median_s)
         gathered: list[dict] = [{} for _ in range(world)]
         dist.all_gather_object(gathered, mine)
     else:
         gathered = [mine]
     if rank != 0:
         return None
-    return summarise(gathered, cfg)
+    return summarise(gathered, cfg, device)
 
 
-def _time_blocks(cfg, meshes: dict | None, sync) -> dict[str, Any]:
+def _measure_level(cfg, k: int, rank: int, groups, pair, meshes, shard, median_s) -> dict:
+    """What one of the first `k` ranks measures at the level of `k` workers (`median_s`: the
+    timer on the worker's device, `_Timer`)."""
+    device = median_s.device
+    sync = _barrier(groups.get(k))
+    level = _time_blocks(cfg, meshes, sync, median_s)
+    if k in groups:
+        level["all_reduce"] = time_all_reduce(groups[k], median_s)
+        level["ddp"] = time_ddp(cfg, groups[k], ROWS, REPEATS, device)
+    level["ps_push"] = time_param_server(cfg, shard, median_s, sync)
+    if k >= 2 and rank < 2:
+        level["schedules"] = time_schedules(
+            cfg, rank, pair, MICROBATCHES, SCHEDULE_ROWS, median_s, device
+        )
+    _keep_faster(level, _time_blocks(cfg, meshes, sync, median_s))
+    return level
+
+
+def _time_blocks(cfg, meshes: dict | None, sync, median_s) -> dict[str, Any]:
     """A level's block timings: the plain block's parts and the optimizer per parameter, and
     with `meshes` each block as the level's sharded layouts wrap it, and its optimizer step."""
-    timed = {"compute": _time_compute(cfg, sync), "optimizer": _time_optimizer(cfg, sync)}
+    device = median_s.device
+    timed = {
+        "compute": _time_compute(cfg, median_s, device, sync),
+        "optimizer": _time_optimizer(cfg, median_s, device, sync),
+    }
     if meshes:
         timed["wrapped"], timed["wrapped_optimizer"] = time_wrapped_blocks(
-            cfg, meshes, ROWS, _median_s, sync
+            cfg, meshes, ROWS, median_s, sync, device
         )
     return timed
 
@@ -291,8 +297,9 @@ def _wait_for_level(rank: int, k: int, distributed: bool) -> None:
         time.sleep(0.02)
 
 
-def summarise(records: list[dict], cfg) -> dict[str, Any]:
-    """One profile from every worker's records: medians over workers, then the fits."""
+def summarise(records: list[dict], cfg, device="cpu") -> dict[str, Any]:
+    """One profile from every worker's records: medians over workers, then the fits; the
+    activations autograd saves measured on `device`."""
     import torch
 
     from raylane.train.loop import cross_entropy
@@ -303,13 +310,14 @@ def summarise(records: list[dict], cfg) -> dict[str, Any]:
         for k in records[0]["levels"]
     }  # JSON keys
 
-    block, ends = _parts(cfg)
+    block, ends = (part.to(device) for part in _parts(cfg))
     block_activation = _saved_bytes_per_row(
-        block, lambda rows: torch.randn(rows, m.input_dim, m.d_model, requires_grad=True)
+        block,
+        lambda rows: torch.randn(rows, m.input_dim, m.d_model, device=device, requires_grad=True),
     )
     ends_activation = _saved_bytes_per_row(  # what the loss keeps counts: a run computes it
         lambda tokens: cross_entropy(ends(tokens), tokens),
-        lambda rows: torch.randint(0, m.num_classes, (rows, m.input_dim)),
+        lambda rows: torch.randint(0, m.num_classes, (rows, m.input_dim), device=device),
     )
     # At the largest concurrency measured (the job's worker group): the headline figures.
     top = levels[str(max(records[0]["levels"]))]
@@ -323,10 +331,18 @@ def summarise(records: list[dict], cfg) -> dict[str, Any]:
         "block_activation_bytes_per_row": block_activation,
         "ends_activation_bytes_per_row": ends_activation,
         "baseline_rss_mb": statistics.median(r["baseline_rss_mb"] for r in records),
+        **_device_baseline(records),
         "block_flops_per_s": block_train_flops(largest, m.input_dim, m.d_model) / block_s,
         "all_reduce": top.get("all_reduce"),
         "p2p": asdict(link_fit(_median_by_size(records, "p2p"))) if "p2p" in records[0] else None,
     }
+
+
+def _device_baseline(records: list[dict]) -> dict[str, float]:
+    """A GPU profile's device memory before any model (`baseline_device_mb`), else nothing."""
+    if "baseline_device_mb" not in records[0]:
+        return {}
+    return {"baseline_device_mb": statistics.median(r["baseline_device_mb"] for r in records)}
 
 
 def _summarise_level(measured: list[dict]) -> dict[str, Any]:

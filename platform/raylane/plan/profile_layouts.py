@@ -31,7 +31,6 @@ before, on torch's own schedules over a one-layer stage.
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
@@ -72,8 +71,11 @@ def wrap_name(dims: ParallelDims) -> str | None:
     return "_".join(parts) or None
 
 
-def build_meshes(world: int, levels: list[int], n_heads: int) -> dict[int, dict[str, ParallelMesh]]:
-    """Every level's meshes, built on every rank up front (creating a mesh is collective)."""
+def build_meshes(
+    world: int, levels: list[int], n_heads: int, device_type: str = "cpu"
+) -> dict[int, dict[str, ParallelMesh]]:
+    """Every level's meshes on `device_type` (the workers' devices: 'cuda' under NCCL), built
+    on every rank up front (creating a mesh is collective)."""
     from raylane.parallel.mesh import build_device_mesh
 
     built: dict[ParallelDims, ParallelMesh] = {}
@@ -82,14 +84,15 @@ def build_meshes(world: int, levels: list[int], n_heads: int) -> dict[int, dict[
         meshes[k] = {}
         for name, dims in wrap_dims(world, k, n_heads).items():
             if dims not in built:
-                built[dims] = build_device_mesh(dims, "cpu")
+                built[dims] = build_device_mesh(dims, device_type)
             meshes[k][name] = built[dims]
     return meshes
 
 
-def _wrapped_block(cfg, mesh: ParallelMesh):
-    """One block of the config's GPT inside a module `parallelize` accepts, parallelized by the
-    layout of `mesh` exactly as a run's blocks are (FSDP's root unit included)."""
+def _wrapped_block(cfg, mesh: ParallelMesh, device):
+    """One block of the config's GPT inside a module `parallelize` accepts, on `device`,
+    parallelized by the layout of `mesh` exactly as a run's blocks are (FSDP's root unit
+    included)."""
     import torch
     from torch import nn
 
@@ -105,11 +108,11 @@ def _wrapped_block(cfg, mesh: ParallelMesh):
             return self.blocks["0"](hidden)
 
     torch.manual_seed(cfg.training.seed)  # every worker of a group starts from the same block
-    return parallelize(OneBlock(), mesh, activation_checkpointing=False)
+    return parallelize(OneBlock().to(device), mesh, activation_checkpointing=False)
 
 
 def time_wrapped_blocks(
-    cfg, meshes: dict[str, ParallelMesh], rows_list, median_s, sync=None
+    cfg, meshes: dict[str, ParallelMesh], rows_list, median_s, sync=None, device="cpu"
 ) -> tuple[dict, dict]:
     """Forward + backward seconds of each layout's block at each row count (whole rows: a
     tensor-parallel pair computes the same rows, FSDP's shards each their own), every
@@ -124,10 +127,10 @@ def time_wrapped_blocks(
     found: dict[str, dict[int, float]] = {}
     optimizer_s: dict[str, float] = {}
     for name, mesh in meshes.items():
-        block = _wrapped_block(cfg, mesh)
+        block = _wrapped_block(cfg, mesh, device)
         found[name] = {}
         for rows in rows_list:
-            hidden = torch.randn(rows, m.input_dim, m.d_model, requires_grad=True)
+            hidden = torch.randn(rows, m.input_dim, m.d_model, device=device, requires_grad=True)
 
             def train_block(block=block, hidden=hidden):
                 block(hidden).sum().backward()
@@ -181,17 +184,18 @@ def time_param_server(cfg, shard, median_s, sync=None) -> float:
 
 
 def time_schedules(
-    cfg, rank: int, group, microbatches, rows_per_micro: int, median_s
+    cfg, rank: int, group, microbatches, rows_per_micro: int, median_s, device="cpu"
 ) -> dict[str, dict[int, float]]:
-    """Seconds per step of each pipeline schedule over two one-layer stages (ranks 0, 1):
-    almost all of it is the schedule's own cost."""
+    """Seconds per step of each pipeline schedule over two one-layer stages (ranks 0, 1) on
+    `device`: almost all of it is the schedule's own cost."""
     import torch
     from torch.distributed.pipelining import PipelineStage
 
     from raylane.parallel.pipeline import SCHEDULES
 
-    width = cfg.model.d_model
-    stage = PipelineStage(torch.nn.Linear(width, width), rank, 2, torch.device("cpu"), group=group)
+    width, device = cfg.model.d_model, torch.device(device)
+    layer = torch.nn.Linear(width, width).to(device)
+    stage = PipelineStage(layer, rank, 2, device, group=group)
     found: dict[str, dict[int, float]] = {}
     for name, schedule_cls in SCHEDULES.items():
         found[name] = {}
@@ -202,7 +206,7 @@ def time_schedules(
                 loss_fn=lambda out, target: (out - target).pow(2).mean(),
             )
             rows = rows_per_micro * micro
-            inputs = torch.randn(rows, cfg.model.input_dim, width)
+            inputs = torch.randn(rows, cfg.model.input_dim, width, device=device)
 
             def step(schedule=schedule, inputs=inputs):
                 if rank == 0:
@@ -215,41 +219,43 @@ def time_schedules(
 
 
 def _ready_then_all_reduce(state, bucket):
-    """DDP comm hook: note when the bucket was ready, then torch's all-reduce on the group.
-    (raylane's training hooks reduce over the whole world; the profile's groups are subsets.)"""
+    """DDP comm hook: mark when the bucket was ready (on the device's stream), then torch's
+    all-reduce on the group. (raylane's training hooks reduce over the whole world; the
+    profile's groups are subsets.)"""
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-    group, ready = state
-    ready.append(time.perf_counter())
+    group, clock, ready = state
+    ready.append(clock.mark())
     return allreduce_hook(group, bucket)
 
 
-def time_ddp(cfg, group, rows_list, repeats: int) -> dict[int, float]:
+def time_ddp(cfg, group, rows_list, repeats: int, device="cpu") -> dict[int, float]:
     """Seconds per step that backward waits for gradients after its last bucket is ready,
     under DDP on `group`, measured as `raylane.parallel.ddp` measures it in a run (the median
-    of `repeats` steps after one, at each of `rows_list`)."""
+    of `repeats` steps after one, at each of `rows_list`). On a GPU the marks are CUDA events
+    (`StreamClock`): backward returns when its kernels are queued, not done."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
 
     from raylane.models import build_model
+    from raylane.parallel.device import StreamClock
     from raylane.train.loop import cross_entropy
 
-    m = cfg.model
-    model = DistributedDataParallel(build_model(m), process_group=group)
-    ready: list[float] = []
-    model.register_comm_hook((group, ready), _ready_then_all_reduce)
+    m, device = cfg.model, torch.device(device)
+    ids = [device] if device.type == "cuda" else None
+    model = DistributedDataParallel(build_model(m).to(device), device_ids=ids, process_group=group)
+    clock, ready = StreamClock(device), []
+    model.register_comm_hook((group, clock, ready), _ready_then_all_reduce)
     found = {}
     for rows in rows_list:
-        tokens = torch.randint(0, m.num_classes, (rows, m.input_dim))
+        tokens = torch.randint(0, m.num_classes, (rows, m.input_dim), device=device)
         waits = []
         for _ in range(repeats + 1):
             model.zero_grad(set_to_none=True)
             loss = cross_entropy(model(tokens), tokens)
-            ready.clear()
-            started = time.perf_counter()
+            ready.clear()  # marks from this backward only: the last is its last bucket's
             loss.backward()
-            done = time.perf_counter()
-            last = max(ready, default=None)
-            waits.append(done - last if last is not None and last > started else 0.0)
+            done = clock.mark()
+            waits.append(clock.seconds(ready[-1], done) if ready else 0.0)
         found[rows] = statistics.median(waits[1:])
     return found

@@ -152,6 +152,6 @@ def config_overrides(
         "parallelism.resources_per_worker={GPU: 1}",
         f"training.batch_size={work.global_batch // layout.dp}",
         f"training.activation_checkpointing={str(layout.activation_checkpointing).lower()}",
-        # tf32 is fp32 to the config (GPU matmuls' internal rounding, not a training setting).
-        f"training.precision={'bf16' if work.precision == 'bf16' else 'fp32'}",
+        # The precision the prediction assumed: tf32 too (the run then enables TF32 matmuls).
+        f"training.precision={work.precision}",
     ]

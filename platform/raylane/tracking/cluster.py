@@ -114,5 +114,7 @@ def snapshot_cluster(cfg: RaylaneConfig) -> dict[str, Any]:
             "resources_per_worker": cfg.parallelism.resources_per_worker,
             "use_gpu": cfg.parallelism.use_gpu,
             "placement_strategy": cfg.parallelism.placement_strategy,
+            "precision": cfg.training.precision,
+            "compile": cfg.training.compile,
         },
     }

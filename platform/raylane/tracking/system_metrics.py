@@ -46,15 +46,75 @@ def start_node_monitor(
     return monitor
 
 
+def torch_gpu_monitor(monitors: list) -> Any | None:
+    """A monitor of the GPUs this process sees, read through torch, where MLflow's own GPU
+    monitor could not start (it needs NVML's Python bindings and gives up without them); None
+    where MLflow has one, where CUDA is not available (a CPU-only node: nothing is probed), or
+    where torch can read neither utilisation nor memory (`torch.cuda.utilization` needs the
+    same bindings; its free memory does not)."""
+    import torch
+    from mlflow.system_metrics.metrics.base_metrics_monitor import BaseMetricsMonitor
+
+    if any(type(m).__name__ in ("GPUMonitor", "ROCMMonitor") for m in monitors):
+        return None
+    if not torch.cuda.is_available():
+        return None
+
+    class TorchGPUMonitor(BaseMetricsMonitor):
+        """`gpu_<i>_utilization_percentage` and `gpu_<i>_memory_usage_megabytes` (MLflow's
+        names) for each visible GPU, each skipped for good once it cannot be read."""
+
+        readers = {
+            "utilization_percentage": torch.cuda.utilization,
+            "memory_usage_megabytes": lambda i: _used_mb(torch.cuda.mem_get_info(i)),
+        }
+
+        def __init__(self):
+            super().__init__()
+            self.devices = range(torch.cuda.device_count())
+            self.working = {name for name in self.readers if self._read(name, 0) is not None}
+
+        def _read(self, name: str, device: int) -> float | None:
+            try:
+                return float(self.readers[name](device))
+            except Exception:  # noqa: BLE001 - no NVML bindings, a lost device: not sampled
+                return None
+
+        def collect_metrics(self) -> None:
+            for device in self.devices:
+                for name in self.working:
+                    value = self._read(name, device)
+                    if value is not None:
+                        self._metrics[f"gpu_{device}_{name}"].append(value)
+
+        def aggregate_metrics(self) -> dict[str, float]:
+            return {k: round(sum(v) / len(v), 1) for k, v in self._metrics.items() if v}
+
+    monitor = TorchGPUMonitor()
+    return monitor if monitor.working else None
+
+
+def _used_mb(free_total: tuple[int, int]) -> float:
+    free, total = free_total
+    return (total - free) / 1e6
+
+
 def _monitor_class() -> type:
     from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
 
     class NodeMonitor(SystemMetricsMonitor):
-        """MLflow's monitor, which also keeps a last sample when it stops.
+        """MLflow's monitor, which also keeps a last sample when it stops, and samples the
+        node's GPUs through torch where MLflow's own GPU monitor could not start.
 
         MLflow's loop publishes only after a full sampling interval, so a worker whose training
         ends sooner (a short job, a fast epoch) would leave its node out of the run.
         """
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            gpus = torch_gpu_monitor(self.monitors)
+            if gpus is not None:
+                self.monitors.append(gpus)
 
         def finish(self) -> None:
             super().finish()

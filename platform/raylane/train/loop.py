@@ -21,14 +21,16 @@ import numpy as np
 import ray.train
 import torch
 import torch.distributed as dist
-from torch.nn import functional as F
 
 from raylane.config import RaylaneConfig
 from raylane.data.memory import MemorySplit, memory_batches
 from raylane.models import build_model
 from raylane.models.optim import build_optimizer
 from raylane.parallel import get_strategy
-from raylane.parallel.meters import ActivationMeter, model_state_bytes
+from raylane.parallel.base import cross_entropy
+from raylane.parallel.device import all_reduce_scalars, synchronize, to_device
+from raylane.parallel.meters import ActivationMeter, worker_memory
+from raylane.parallel.precision import apply_matmul_precision
 from raylane.tracking.step_times import StepTimes, step_metrics
 from raylane.train.batches import iter_torch_batches
 from raylane.train.checkpointing import (
@@ -55,23 +57,13 @@ def worker_threads(cfg: RaylaneConfig, local_world_size: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
 
 
-def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
-
-
-def _all_reduce(values: list[float], op=dist.ReduceOp.SUM) -> list[float]:
-    tensor = torch.tensor(values, dtype=torch.float64)
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(tensor, op=op)
-    return tensor.tolist()
-
-
 MAX = dist.ReduceOp.MAX
 
 
 def peak_rss_mb() -> float:
-    """The largest resident set of any worker so far (MB): what a memory budget is held to."""
-    (peak,) = _all_reduce([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024], MAX)
+    """The largest resident set of any worker so far (MB): what a CPU run's memory budget is
+    held to."""
+    (peak,) = all_reduce_scalars([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024], MAX)
     return peak
 
 
@@ -155,7 +147,8 @@ def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank, marks, sta
             loss = strategy.train_step(model, optimizer, cross_entropy, inputs, targets)
         if strategy.reports_loss:  # each of a row's `row_reporters` workers counts its share
             share = len(targets) / strategy.row_reporters
-            loss_sum += loss.item() * share
+            # Summed on the loss's device in float64 (as a host float would): no host sync.
+            loss_sum = loss_sum + loss.double() * share
             rows += share
         now = time.perf_counter()
         parts = dict(strategy.last_step_parts)
@@ -165,19 +158,22 @@ def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank, marks, sta
         saver.step_done()
         marks.mark("first_step")
         step_start = now
+    synchronize(strategy.device)  # the epoch's time includes its queued GPU work
     elapsed = time.perf_counter() - start
     strategy.steps_done()  # before the collectives of the totals
-    return *_epoch_totals(model, optimizer, activations, loss_sum, rows, carried, times), elapsed
+    totals = _epoch_totals(strategy, model, optimizer, activations, loss_sum, rows, carried, times)
+    return *totals, elapsed
 
 
-def _epoch_totals(model, optimizer, activations, loss_sum, rows, carried, times):
+def _epoch_totals(strategy, model, optimizer, activations, loss_sum, rows, carried, times):
     """Collective: the group's mean loss over the epoch, the rows this run trained on (not
-    those a step checkpoint carried over) and the step-time split of an epoch."""
-    memory = {**model_state_bytes(model, optimizer), "activation_peak": activations.peak_bytes}
-    totals = _all_reduce([loss_sum, rows, carried, *times.as_list()])
+    those a step checkpoint carried over), the step-time split of an epoch and the largest
+    worker's memory (on GPUs also its device peak: `worker_device_peak_mb`)."""
+    memory = worker_memory(model, optimizer, activations, strategy.device)
+    totals = all_reduce_scalars([loss_sum, rows, carried, *times.as_list()])
     total_loss, total_rows, carried_rows, *step_totals = totals
     # The largest worker's model state and activations (MB): what must fit on one device.
-    largest = _all_reduce(list(memory.values()), MAX)
+    largest = all_reduce_scalars(list(memory.values()), MAX)
     # Data-parallel replicas each count their own rows; pipeline stages of one replica count
     # them once (only the last stage reports).
     split = step_metrics(step_totals)
@@ -189,16 +185,19 @@ def _epoch_totals(model, optimizer, activations, loss_sum, rows, carried, times)
 
 @torch.no_grad()
 def _evaluate(strategy, model, shard, cfg):
+    """Mean loss and accuracy over the validation rows: the sums kept on the outputs' device
+    (float64, as host floats would) and read back once, by the group's reduction."""
     model.eval()
     loss_sum, correct, count = 0.0, 0.0, 0.0
     for inputs, targets in _my_batches(strategy, shard, cfg, shuffle_seed=None, whole=True):
         outputs = strategy.forward(model, inputs, targets)
         if outputs is None or not targets.numel():
             continue
-        loss_sum += cross_entropy(outputs, targets).item() * targets.numel()
-        correct += (outputs.argmax(dim=-1) == targets).sum().item()
+        targets = to_device(targets, outputs.device)
+        loss_sum = loss_sum + cross_entropy(outputs, targets).double() * targets.numel()
+        correct = correct + (outputs.argmax(dim=-1) == targets).sum().double()
         count += targets.numel()
-    loss_sum, correct, count = _all_reduce([loss_sum, correct, count])
+    loss_sum, correct, count = all_reduce_scalars([loss_sum, correct, count])
     return loss_sum / max(count, 1), correct / max(count, 1)
 
 
@@ -257,6 +256,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     cfg = at_world_size(cfg, context.get_world_size())  # an elastic group's share of the batch
     rank = context.get_world_rank()
     torch.set_num_threads(worker_threads(cfg, context.get_local_world_size()))
+    apply_matmul_precision(cfg.training.precision)
     seed_everything(cfg.training.seed)
 
     strategy = get_strategy(cfg, rank)

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 
 import ray.train
-import torch
 import torch.distributed as dist
 
+from raylane.parallel.device import all_reduce_scalars
 from raylane.train.checkpointing import Position, resume_position, save_epoch_checkpoint
 from raylane.train.elastic import RunProgress, log_group_start
 
@@ -77,16 +77,12 @@ class StepCheckpoints:
         self.global_step += 1
         self.progress.step_done(self.global_step)
 
-    def save(self, epoch: int, steps_done: int, loss_sum: float, rows: int) -> None:
-        """Collective: checkpoint after `steps_done` steps of `epoch`; `loss_sum` and `rows`
-        are this worker's training loss sum and rows in the epoch so far."""
-        totals = torch.tensor([loss_sum, float(rows)], dtype=torch.float64)
-        dist.all_reduce(totals)
-        position = {
-            "step": steps_done,
-            "loss_sum": float(totals[0]),
-            "rows": round(totals[1].item()),
-        }
+    def save(self, epoch: int, steps_done: int, loss_sum, rows: float) -> None:
+        """Collective: checkpoint after `steps_done` steps of `epoch`; `loss_sum` (a number,
+        or a tensor on the loss's device) and `rows` are this worker's training loss sum and
+        rows in the epoch so far, summed over the group on its collective device."""
+        total_loss, total_rows = all_reduce_scalars([loss_sum, rows])
+        position = {"step": steps_done, "loss_sum": total_loss, "rows": round(total_rows)}
         metrics = {"epoch": epoch, "global_step": self.global_step, **position}
         self.report(epoch, metrics, f"epoch_{epoch:04d}_step_{steps_done:06d}")
 

@@ -34,6 +34,8 @@ class TrialOutcome:
     step_ms: float | None = None  # median over the measured epochs
     data_wait_ms: float | None = None  # the part of it spent waiting for input, likewise
     peak_rss_mb: float | None = None
+    #: The largest worker's peak GPU memory (`worker_device_peak_mb`); None on CPU trials.
+    peak_device_mb: float | None = None
     epochs: int = 0
     detail: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
@@ -45,6 +47,12 @@ class TrialOutcome:
         if self.predicted is None or not self.step_ms:
             return None
         return (self.predicted.step_ms - self.step_ms) / self.step_ms
+
+    @property
+    def peak_memory_mb(self) -> float | None:
+        """The memory a worker's budget holds it to: its GPU's peak on a GPU trial (host RSS
+        there is the CUDA context and libraries, not the model), else its peak RSS."""
+        return self.peak_device_mb if self.peak_device_mb is not None else self.peak_rss_mb
 
     @property
     def world_size(self) -> int:
@@ -108,6 +116,7 @@ def _judge(spec: TuneSpec, candidate: Candidate, result) -> TrialOutcome:
         step_ms=_median_of(measured, "step_ms"),
         data_wait_ms=_median_of(measured, "step_data_wait_ms"),
         peak_rss_mb=float(frame["peak_rss_mb"].max()),
+        peak_device_mb=_max_of(frame, DEVICE_PEAK),
         epochs=epochs,
         metrics={k: float(v) for k, v in frame.iloc[-1].items() if _is_number(v)},
     )
@@ -117,17 +126,29 @@ def _judge(spec: TuneSpec, candidate: Candidate, result) -> TrialOutcome:
     if spec.constraints.require_falling_loss and not losses[-1] < losses[0]:
         outcome.status = "rejected"
         outcome.detail = f"loss did not fall ({losses[0]:.4f} -> {losses[-1]:.4f})"
-    elif outcome.peak_rss_mb > spec.constraints.memory_mb_per_worker:
+    elif outcome.peak_memory_mb > spec.constraints.memory_mb_per_worker:
+        kind = "device" if outcome.peak_device_mb is not None else "worker"
         outcome.status = "rejected"
         outcome.detail = (
-            f"peak worker memory {outcome.peak_rss_mb:.0f} MB over the "
+            f"peak {kind} memory {outcome.peak_memory_mb:.0f} MB over the "
             f"{spec.constraints.memory_mb_per_worker:.0f} MB budget"
         )
     return outcome
 
 
+#: The largest worker's peak GPU memory, which GPU trials report (`raylane.train.loop`).
+DEVICE_PEAK = "worker_device_peak_mb"
+
+
 def _median_of(frame, column: str) -> float | None:
     return statistics.median(frame[column].tolist()) if column in frame else None
+
+
+def _max_of(frame, column: str) -> float | None:
+    """The column's largest value, or None where no epoch reported it (a CPU trial)."""
+    if column not in frame or frame[column].isna().all():
+        return None
+    return float(frame[column].max())
 
 
 def _is_number(value: Any) -> bool:
@@ -311,7 +332,7 @@ def _calibrate(trials: list[TrialOutcome], order: list[str]) -> Calibration | No
     own = {
         key: measured_calibration(
             key, by_key[key].predicted, by_key[key].step_ms, by_key[key].data_wait_ms,
-            by_key[key].peak_rss_mb,
+            by_key[key].peak_memory_mb,
         )
         for key in order
         if key in by_key and by_key[key].step_ms and by_key[key].predicted

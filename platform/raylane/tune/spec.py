@@ -63,7 +63,10 @@ class Constraints(StrictModel):
     cpus: float = Field(2.0, gt=0, description="CPUs a trial's workers may reserve in total.")
     cpus_per_worker: float = Field(0.5, gt=0, description="CPUs each trial worker reserves.")
     memory_mb_per_worker: float = Field(
-        4096, gt=0, description="Largest worker resident memory (MB) a winner may use."
+        4096,
+        gt=0,
+        description="Largest worker memory (MB) a winner may use: its resident memory on "
+        "CPUs, its peak GPU memory (torch.cuda.max_memory_allocated) on GPU trials.",
     )
     activation_mb_per_worker: float | None = Field(
         None,
