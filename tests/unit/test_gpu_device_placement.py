@@ -1,7 +1,7 @@
 """Every tensor the generation and serving code makes names its device.
 
 On a CPU machine a tensor made without `device=` lands where the model is, so nothing fails;
-on a GPU it lands on the host and the first op that meets the model's tensors fails (issue 39:
+on a GPU it lands on the host and the first op that meets the model's tensors fails (as on an H200:
 the KV cache, the engine's token tensors, the CPU `torch.Generator` of a seeded request, the
 multi-LoRA stacks). This static check finds such a factory call in the modules that build
 tensors for a model, before a GPU ever runs them. `*_like` factories inherit their argument's

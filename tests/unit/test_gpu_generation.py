@@ -1,4 +1,4 @@
-"""Generation and serving on a device (issue 39), checked where CI runs: on the CPU.
+"""Generation and serving on a device, checked where CI runs: on the CPU.
 
 The engine builds every tensor on its model's device, chooses a whole batch's tokens there and
 reads them back once per step; prompts admitted together are prefilled in one forward; weights,

@@ -182,7 +182,7 @@ def test_fused_attention_holds_a_log_sum_exp_where_unfused_attention_holds_the_s
     assert difference == pytest.approx(layers * (scores - lse))
 
 
-def test_the_h200_step_the_issue_measured_is_no_longer_charged_unfused_scores(tmp_path):
+def test_the_measured_h200_step_is_no_longer_charged_unfused_scores(tmp_path):
     """An 86M GPT (d 768, 12 layers, 12 heads, T 1,024, batch 32, bf16) on one H200 was
     measured at a 13.9 GB peak; charged the scores SDPA never stores the catalog model said
     35.9 GB (and 29.5 ms). Its fused prediction is the model state and Korthikanti's 16-bit
