@@ -10,7 +10,7 @@ import time
 import torch
 
 from raylane.generation.engine import GenerationEngine, generate_without_cache
-from raylane.generation.hf_peer import to_hf_gpt2
+from raylane.generation.hf_peer import hf_greedy_batch, to_hf_gpt2
 from raylane.generation.next_token import Sampling
 from raylane.generation.placement import place_model
 from raylane.parallel.device import synchronize
@@ -52,22 +52,6 @@ def engine_run(engine: GenerationEngine, prompts: list[list[int]], new_tokens: i
     }
 
 
-@torch.no_grad()
-def hf_run(peer, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """`generate()` with its KV cache, greedy, every prompt in one batch (equal lengths)."""
-    device = next(peer.parameters()).device
-    inputs = torch.tensor(prompts, device=device)
-    out = peer.generate(
-        inputs,
-        attention_mask=torch.ones_like(inputs),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        use_cache=True,
-    )
-    return out[:, inputs.shape[1] :].tolist()
-
-
 def decode_speeds(model, prompts, new_tokens, repeats, device, decode="dynamic") -> dict:
     """ms per token at batch 1 and tokens/s at len(prompts) sequences, the engine (its
     `decode` path; engines built, and graphs captured, before the clock starts) and HF."""
@@ -77,8 +61,8 @@ def decode_speeds(model, prompts, new_tokens, repeats, device, decode="dynamic")
     engine_1, out_1 = timed(lambda: engine_run(single, one, new_tokens), repeats, device)
     engine_n, out_n = timed(lambda: engine_run(full, prompts, new_tokens), repeats, device)
     peer = to_hf_gpt2(model)
-    hf_1, hf_out_1 = timed(lambda: hf_run(peer, one, new_tokens), repeats, device)
-    hf_n, hf_out_n = timed(lambda: hf_run(peer, prompts, new_tokens), repeats, device)
+    hf_1, hf_out_1 = timed(lambda: hf_greedy_batch(peer, one, new_tokens), repeats, device)
+    hf_n, hf_out_n = timed(lambda: hf_greedy_batch(peer, prompts, new_tokens), repeats, device)
     total = len(prompts) * new_tokens
     return {
         "decode": decode,

@@ -79,10 +79,15 @@ def to_hf_gpt2(model: nn.Module):
     return peer.eval()
 
 
-@torch.no_grad()
 def hf_greedy(peer, prompt: list[int], max_new_tokens: int) -> list[int]:
     """`generate()` with its KV cache, greedy: the new tokens only."""
-    inputs = torch.tensor([prompt], device=peer.lm_head.weight.device)
+    return hf_greedy_batch(peer, [prompt], max_new_tokens)[0]
+
+
+@torch.no_grad()
+def hf_greedy_batch(peer, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """`generate()` over prompts of one length in one batch, greedy: each one's new tokens."""
+    inputs = torch.tensor(prompts, device=peer.lm_head.weight.device)
     out = peer.generate(
         inputs,
         attention_mask=torch.ones_like(inputs),
@@ -91,4 +96,4 @@ def hf_greedy(peer, prompt: list[int], max_new_tokens: int) -> list[int]:
         do_sample=False,
         use_cache=True,
     )
-    return out[0, len(prompt) :].tolist()
+    return out[:, inputs.shape[1] :].tolist()
