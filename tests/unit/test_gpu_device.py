@@ -70,6 +70,34 @@ def test_scalars_reduce_as_host_floats_would(process_group):
     assert all_reduce_scalars([]) == []
 
 
+def test_a_vocabulary_split_loss_reaches_the_epoch_sums_as_a_plain_tensor(process_group):
+    """Under sequence parallelism the loss comes from `loss_parallel` as a replicated DTensor;
+    summed into the loop's totals it made the epoch's all-reduce refuse the DTensor (and the
+    other ranks wait in theirs). The step hands the loop a plain tensor."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+
+    from raylane.parallel.base import StrategyDefaults
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("tp",))
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def replicated_loss(outputs, targets):
+        loss = torch.nn.functional.cross_entropy(outputs, targets)
+        return DTensor.from_local(loss, mesh, [Replicate()])
+
+    strategy = StrategyDefaults()
+    strategy.last_step_parts = {}
+    inputs, targets = torch.ones(2, 4), torch.tensor([0, 2])
+    loss = strategy.train_step(model, optimizer, replicated_loss, inputs, targets)
+    assert not isinstance(loss, DTensor)
+    total = 0.0 + loss.double() * 2
+    with pytest.raises(NotImplementedError, match="sharding strategy"):  # what it did before
+        all_reduce_scalars([0.0 + DTensor.from_local(loss, mesh, [Replicate()]).double()])
+    assert all_reduce_scalars([total]) == [pytest.approx(float(loss) * 2)]
+
+
 def test_a_host_tensor_reaches_the_cpu_unchanged():
     tensor = torch.arange(4)
     assert to_device(tensor, "cpu") is tensor

@@ -230,6 +230,9 @@ def test_replicas_ask_ray_for_gpus_and_serve_in_the_configured_dtype():
         load_config(digits, ["serving.dtype=bf16"])
     with pytest.raises(ConfigError, match="serving.replica_gpus"):
         load_config(digits, ["serving.replica_gpus=-1"])
+    with pytest.raises(ConfigError, match="replica_gpus 1.5: Ray shares a GPU in fractions"):
+        load_config(lm, ["serving.replica_gpus=1.5"])
+    assert load_config(lm, ["serving.replica_gpus=2"]).serving.replica_gpus == 2
     with pytest.raises(ConfigError, match="cuda_graphs needs replica_gpus > 0"):
         load_config(lm, ["serving.cuda_graphs=true"])
     graphs = ["serving.cuda_graphs=true", "serving.replica_gpus=1"]

@@ -83,7 +83,7 @@ def test_gpus_are_sampled_through_torch_and_an_unreadable_figure_is_skipped(monk
     def no_memory(i):
         raise RuntimeError("lost device")
 
-    monkeypatch.setattr(torch.cuda, "mem_get_info", no_memory)
+    monkeypatch.setattr(torch.cuda, "device_memory_used", no_memory)
     monitor = torch_gpu_monitor([])
     monitor.collect_metrics()
     monitor.collect_metrics()
@@ -93,6 +93,25 @@ def test_gpus_are_sampled_through_torch_and_an_unreadable_figure_is_skipped(monk
     }
 
 
+def test_gpu_memory_is_read_through_nvml_without_a_context_on_other_workers_gpus(monkeypatch):
+    """`mem_get_info` opens a CUDA context on the device it asks about: the node's monitor must
+    not (every other worker's GPU would lose hundreds of MB to it)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "utilization", lambda i: 40 + 10 * i)
+    monkeypatch.setattr(torch.cuda, "device_memory_used", lambda i: (i + 1) * 2_000_000)
+
+    def opens_a_context(i):
+        raise AssertionError(f"a CUDA context opened on GPU {i}")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", opens_a_context)
+    monitor = torch_gpu_monitor([])
+    monitor.collect_metrics()
+    found = monitor.aggregate_metrics()
+    assert found["gpu_0_memory_usage_megabytes"] == 2.0
+    assert found["gpu_1_memory_usage_megabytes"] == 4.0
+
+
 def test_no_gpu_figure_readable_means_no_gpu_monitor(monkeypatch):
     def unreadable(i):
         raise ModuleNotFoundError("pynvml does not seem to be installed")
@@ -100,7 +119,7 @@ def test_no_gpu_figure_readable_means_no_gpu_monitor(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "utilization", unreadable)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", unreadable)
+    monkeypatch.setattr(torch.cuda, "device_memory_used", unreadable)
     assert torch_gpu_monitor([]) is None
 
 

@@ -217,6 +217,11 @@ class ServingConfig(StrictModel):
                 f"quantization '{self.quantization}' applies to api 'generate' (the infer API "
                 "serves the registered torch.export program as it is)"
             )
+        if self.replica_gpus > 1 and not float(self.replica_gpus).is_integer():
+            raise ValueError(
+                f"replica_gpus {self.replica_gpus:g}: Ray shares a GPU in fractions up to 1 or "
+                "gives whole GPUs; use a fraction <= 1 or a whole number"
+            )
         if self.cuda_graphs:
             self._check_cuda_graphs()
         if self.dtype != "fp32" and self.api != "generate":

@@ -13,8 +13,9 @@ per-tensor path stays the default, so CPU runs step exactly as before.
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Iterator
 
 import torch
 
@@ -66,3 +67,19 @@ def build_optimizer(
     if kind == "adamw":
         return torch.optim.AdamW(groups, lr=lr, weight_decay=weight_decay)
     return torch.optim.SGD(groups, lr=lr, weight_decay=weight_decay)
+
+
+#: A group's choice of update kernel: what this run's devices decide, not a checkpoint's.
+KERNEL_OPTIONS = ("fused", "foreach")
+
+
+@contextlib.contextmanager
+def kernel_choice_kept(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Load optimizer state inside this and each group keeps this run's `fused`/`foreach`:
+    `load_state_dict` replaces a group's settings with the saved ones, so a checkpoint written
+    on another device (or before CUDA groups were fused) would otherwise pick the kernels: a
+    GPU run silently unfused, or a CPU run taking the fused CPU kernel."""
+    chosen = [{k: g.get(k) for k in KERNEL_OPTIONS} for g in optimizer.param_groups]
+    yield
+    for group, options in zip(optimizer.param_groups, chosen, strict=True):
+        group.update(options)

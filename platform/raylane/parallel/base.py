@@ -8,6 +8,7 @@ strategy's name.
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -176,7 +177,7 @@ class StrategyDefaults:
         ring = self.ring_wait_s()
         self.last_step_parts = {"compute": done - started - comm - ring, "comm": comm, "ring": ring}
         self.steps += 1
-        return loss.detach()
+        return plain_value(loss.detach())
 
     def steps_done(self) -> None:
         return None
@@ -234,6 +235,17 @@ class WholeModelReplica(StrategyDefaults):
             activation_checkpointing=self.activation_checkpointing,
             compile_blocks=self.compile_blocks,
         )
+
+
+def plain_value(loss: Tensor) -> Tensor:
+    """`loss` as a plain tensor: under torch's `loss_parallel` (a vocabulary-split head) it is
+    a replicated DTensor, and the loop's epoch sums meet a collective that takes no DTensor
+    (`Operator c10d.allreduce_.default does not have a sharding strategy registered`). A
+    replicated DTensor's full tensor is its local one: nothing is sent."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(loss, dtensor.DTensor):
+        return loss.full_tensor()
+    return loss
 
 
 def world_size() -> int:

@@ -66,7 +66,9 @@ def torch_gpu_monitor(monitors: list) -> Any | None:
 
         readers = {
             "utilization_percentage": torch.cuda.utilization,
-            "memory_usage_megabytes": lambda i: _used_mb(torch.cuda.mem_get_info(i)),
+            # NVML's figure, as nvidia-smi shows it: `mem_get_info` would open a CUDA context
+            # (hundreds of MB) on every GPU of the node, each another worker's.
+            "memory_usage_megabytes": lambda i: torch.cuda.device_memory_used(i) / 1e6,
         }
 
         def __init__(self):
@@ -92,11 +94,6 @@ def torch_gpu_monitor(monitors: list) -> Any | None:
 
     monitor = TorchGPUMonitor()
     return monitor if monitor.working else None
-
-
-def _used_mb(free_total: tuple[int, int]) -> float:
-    free, total = free_total
-    return (total - free) / 1e6
 
 
 def _monitor_class() -> type:

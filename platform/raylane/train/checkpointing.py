@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from raylane.models.optim import kernel_choice_kept
+
 META_FILE = "meta.json"
 SHARDED_DIR = "sharded"
 
@@ -90,9 +92,10 @@ def restore_checkpoint(
     directory = Path(directory)
     state = torch.load(directory / _model_file(part), map_location="cpu", weights_only=True)
     model.load_state_dict(state)
-    optimizer.load_state_dict(
-        torch.load(directory / _optimizer_file(part), map_location="cpu", weights_only=True)
-    )
+    with kernel_choice_kept(optimizer):
+        optimizer.load_state_dict(
+            torch.load(directory / _optimizer_file(part), map_location="cpu", weights_only=True)
+        )
     return resume_position(directory)
 
 
@@ -162,13 +165,14 @@ def restore_sharded_checkpoint(
     model_state, optimizer_state = get_state_dict(model, optimizer, options=_flat_options())
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=directory / SHARDED_DIR)
-    set_state_dict(
-        model,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optimizer"],
-        options=_flat_options(),
-    )
+    with kernel_choice_kept(optimizer):
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+            options=_flat_options(),
+        )
     return resume_position(directory)
 
 
