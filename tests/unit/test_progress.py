@@ -27,3 +27,9 @@ def test_the_last_epoch_has_no_eta_and_missing_metrics_are_left_out():
 
 def test_no_eta_before_the_epoch_rate_is_known():
     assert "ETA" not in format_epoch(0, 5, {"val_loss": 1.0}, 50.0)
+
+
+def test_a_gpu_run_shows_its_largest_workers_device_peak():
+    metrics = {"val_loss": 1.0, "train_samples_per_s": 512.0, "worker_device_peak_mb": 13912.4}
+    line = format_epoch(0, 2, metrics, 9.0)
+    assert line == "epoch 1/2  val_loss 1.0000  512 samples/s  GPU peak 13,912 MB  9 s elapsed"

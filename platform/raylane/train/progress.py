@@ -35,6 +35,8 @@ def format_epoch(
     parts += [f"{key} {metrics[key]:.4f}" for key in SHOWN if key in metrics]
     if "train_samples_per_s" in metrics:
         parts.append(f"{metrics['train_samples_per_s']:,.0f} samples/s")
+    if "worker_device_peak_mb" in metrics:  # a GPU run: what the largest worker's GPU held
+        parts.append(f"GPU peak {metrics['worker_device_peak_mb']:,.0f} MB")
     parts.append(f"{elapsed_s:.0f} s elapsed")
     if done < epochs and seconds_per_epoch is not None:
         parts.append(f"ETA {seconds_per_epoch * (epochs - done):.0f} s")
