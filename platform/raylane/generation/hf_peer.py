@@ -15,15 +15,13 @@ import torch
 from torch import nn
 
 
-def to_hf_gpt2(model: nn.Module):
-    """A `transformers.GPT2LMHeadModel` holding `model`'s weights (eval mode), on the model's
-    device and in its dtype (its final norm's: a plain model, not an int8 one)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+def _gpt2_config(model: nn.Module):
+    """GPT-2's config of `model`'s shape: no dropout, exact GELU, an untied head."""
+    from transformers import GPT2Config
 
-    device, dtype = model.norm.weight.device, model.norm.weight.dtype
     blocks = list(model.blocks.values())
     d_model = model.tok_emb.embedding_dim
-    config = GPT2Config(
+    return GPT2Config(
         vocab_size=model.tok_emb.num_embeddings,
         n_positions=model.pos_emb.num_embeddings,
         n_embd=d_model,
@@ -40,6 +38,17 @@ def to_hf_gpt2(model: nn.Module):
         eos_token_id=None,
         pad_token_id=0,
     )
+
+
+def to_hf_gpt2(model: nn.Module):
+    """A `transformers.GPT2LMHeadModel` holding `model`'s weights (eval mode), on the model's
+    device and in its dtype (its final norm's: a plain model, not an int8 one)."""
+    from transformers import GPT2LMHeadModel
+
+    device, dtype = model.norm.weight.device, model.norm.weight.dtype
+    blocks = list(model.blocks.values())
+    d_model = model.tok_emb.embedding_dim
+    config = _gpt2_config(model)
     peer = GPT2LMHeadModel(config).to(device=device, dtype=dtype)
     peer.lm_head = nn.Linear(d_model, config.vocab_size, bias=True, device=device, dtype=dtype)
     state = {
