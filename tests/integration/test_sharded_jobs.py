@@ -28,7 +28,15 @@ REGISTERED = {"3d", "fsdp-tp"}  # the layouts whose registered model a test read
 # Pipeline and hybrid alone are the 3D layout without tp: their schedules are checked step by
 # step in test_layout_equivalence.py, and a pp=2 run through this path in test_pipeline_jobs.py.
 LAYOUTS = {
-    "tp": ["parallelism.strategy=tp", "parallelism.pp=1", "parallelism.tp=2"],
+    # With sequence parallelism: its loss comes from `loss_parallel` (a vocabulary-split head),
+    # summed by the loop like any other (plain tp runs through this path in the README's
+    # lm_tp.yaml block).
+    "tp-sp": [
+        "parallelism.strategy=tp",
+        "parallelism.pp=1",
+        "parallelism.tp=2",
+        "parallelism.sequence_parallel=true",
+    ],
     "fsdp": ["parallelism.strategy=fsdp", "parallelism.pp=1", "parallelism.dp=2"],
     "fsdp-tp": [
         "parallelism.strategy=fsdp",
@@ -47,7 +55,7 @@ LAYOUTS["3d"] = [
 # the plain model rank 0 writes.
 LAYOUTS["cp"] = ["parallelism.strategy=ddp", "parallelism.pp=1", "parallelism.dp=1",
                  "parallelism.cp=2"]  # fmt: skip
-WORKERS = {"tp": 2, "fsdp": 2, "fsdp-tp": 4, "3d": 8, "cp": 2}
+WORKERS = {"tp-sp": 2, "fsdp": 2, "fsdp-tp": 4, "3d": 8, "cp": 2}
 
 
 def _config(workspace, *extra: str):
@@ -128,14 +136,14 @@ def test_3d_checkpoint_holds_each_stages_assembled_part_and_its_shards(layout_ru
     assert {"model-part000.pt", "model-part001.pt"} <= {p.name for p in checkpoint.iterdir()}
     assert outcome.model_version is not None  # the parts merged into one registered model
     # Sharded too: a file per worker holding shards no other wrote (dp replicas' copies once).
-    # Resuming from such a checkpoint is the tp case below (the same DCP load per stage).
+    # Resuming from such a checkpoint is the tp-sp case below (the same DCP load per stage).
     assert (checkpoint / "sharded" / ".metadata").is_file()
     assert len(list((checkpoint / "sharded").glob("*.distcp"))) in {4, 5, 6, 7, 8}
 
 
 def test_sharded_layouts_record_what_each_worker_holds(layout_runs, one_worker):
     one_worker(ROWS)  # the session's first run also prepares the data
-    metrics = {name: layout_runs(name)[1].metrics for name in ("tp", "fsdp")}
+    metrics = {name: layout_runs(name)[1].metrics for name in ("tp-sp", "fsdp")}
     for name, found in metrics.items():
         for part in ("param", "grad", "optimizer_state", "activation_peak"):
             assert found[f"worker_{part}_mb"] > 0, (name, part)
@@ -145,11 +153,11 @@ def test_sharded_layouts_record_what_each_worker_holds(layout_runs, one_worker):
     assert fsdp["worker_grad_mb"] == pytest.approx(fsdp["worker_param_mb"])
     assert fsdp["worker_optimizer_state_mb"] == pytest.approx(2 * fsdp["worker_param_mb"], rel=0.01)
     # Tensor parallel: the blocks' linear layers (most of the model) are split in two.
-    tp = metrics["tp"]
+    tp = metrics["tp-sp"]
     assert tp["worker_param_mb"] < 0.75 * 2 * fsdp["worker_param_mb"]
 
 
-@pytest.mark.parametrize(("name", "files"), [("tp", {2})])
+@pytest.mark.parametrize(("name", "files"), [("tp-sp", {2})])
 def test_sharded_checkpoint_resumes_to_the_uninterrupted_result(
     layout_runs, workspace, name, files
 ):
