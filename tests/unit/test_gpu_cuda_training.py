@@ -85,20 +85,36 @@ def test_a_tensor_parallel_step_on_cuda_steps_as_the_plain_model(nccl_group, seq
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from raylane.models.gpt_plan import block_plan
+    from raylane.models.gpt_plan import block_io, block_plan, head_plan
+    from raylane.parallel.parallelize import sharded_loss
 
+    class VocabularySplit(OneDevice):
+        def loss_scope(self):
+            return sharded_loss()
+
+    # `apply_tensor_parallel`'s plan, applied by hand: it leaves a 1-rank mesh alone.
     mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("tp",))
     plain = _gpt()
     split = copy.deepcopy(plain)
-    for block in split.blocks.values():
+    blocks = list(split.blocks.values())
+    for index, block in enumerate(blocks):
         parallelize_module(block, mesh, block_plan(sequence_parallel))
+        if sequence_parallel:  # with the vocabulary-split head and loss, as a run has them
+            parallelize_module(block, mesh, block_io(last=index == len(blocks) - 1))
+    if sequence_parallel:
+        parallelize_module(split, mesh, head_plan())
     assert {isinstance(p, DTensor) for p in split.parameters()} == {True, False}
     # torch's default on CUDA: the foreach path, the one that stopped before.
     optimizers = [build_optimizer(m.parameters(), "adamw", 1e-3, 0.1) for m in (plain, split)]
     want = _steps(plain, optimizers[0], OneDevice())
-    got = _steps(split, optimizers[1], OneDevice())
+    strategy = VocabularySplit() if sequence_parallel else OneDevice()
+    got = _steps(split, optimizers[1], strategy)
     assert got == pytest.approx(want, rel=1e-5)
     for (name, a), b in zip(plain.named_parameters(), split.parameters(), strict=True):
+        if name.endswith("attn.k.bias"):
+            # Softmax ignores a key bias: its true gradient is zero, and AdamW divides the
+            # rounding noise left there by its own magnitude (a full-size step either way).
+            continue
         b = b.full_tensor() if isinstance(b, DTensor) else b
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5, msg=name)
 
