@@ -210,10 +210,41 @@ def lm_overrides(workspace: Workspace, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="session")
 def pipeline_run(ray_cluster, workspace):
-    """The reference pipeline job (pp=2, GPipe, 2 epochs), run once for the session."""
+    """The reference pipeline job (pp=2, GPipe, 2 epochs), run once for the session.
+
+    Its failure budget (one worker-group restart) is recorded with it, so `raylane reproduce`
+    of it survives a killed stage: test_recovery.py kills one during the reproduction."""
     from raylane.config import load_config
     from raylane.train.job import run_training
 
     config = ROOT / "configs" / "train" / "lm_pipeline.yaml"
-    cfg = load_config(config, lm_overrides(workspace, "training.epochs=2"))
+    overrides = lm_overrides(workspace, "training.epochs=2", "training.max_failures=1")
+    cfg = load_config(config, overrides)
     return cfg, run_training(cfg)
+
+
+@dataclass
+class MeasuredProfile:
+    config: object  # the RaylaneConfig it was measured for
+    profile: dict
+    run_id: str
+    reused: bool  # False: this call ran the profile job
+
+
+@pytest.fixture(scope="session")
+def lm_profile(ray_cluster, workspace) -> MeasuredProfile:
+    """The byte-level GPT profiled once for the session at 1 and 2 workers, in the session's
+    MLflow store: the first `load_or_measure` of its key. Its config is the one a DDP search
+    over 1 and 2 workers of `lm_pipeline.yaml` profiles (the same key), so such a search
+    reuses it."""
+    from raylane.config import load_config
+    from raylane.plan.profile_job import load_or_measure
+
+    cfg = load_config(
+        ROOT / "configs" / "train" / "lm_pipeline.yaml",
+        lm_overrides(
+            workspace, "parallelism.strategy=ddp", "parallelism.pp=1", "parallelism.workers=2"
+        ),
+    )
+    found, run_id, reused = load_or_measure(cfg, workspace.tracking_uri, concurrency=[1, 2])
+    return MeasuredProfile(cfg, found, run_id, reused)

@@ -1,5 +1,10 @@
-"""A real `mlflow server` (SQL backend, served artifacts): a training job spread over two nodes
-logs, registers and aliases over HTTP; its rank-0 worker reaches the server from its node."""
+"""Training over the session cluster's two nodes, tracked by a real `mlflow server` (SQL
+backend, served artifacts).
+
+One DDP job spreads a worker on each node and is tracked over HTTP; the server goes away after
+its first epoch and comes back while it trains. The tests read what that one run recorded:
+where its workers ran, what it logged, registered and aliased, and that the outage lost no
+epoch. One more job targets the second node's type by its custom resource."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -18,7 +24,12 @@ from mlflow.tracking import MlflowClient
 from raylane.config import load_config
 from raylane.train.job import run_training
 
-from .conftest import REFERENCE, free_port
+from .conftest import REFERENCE, SECOND_NODE_RESOURCE, free_port
+
+EPOCHS = 12  # epochs go on ending after the server stops
+OUTAGE_S = 8  # many epochs' time
+EXPERIMENT = "digits-two-nodes"
+MODEL = "raylane-digits-server"
 
 
 class MlflowServer:
@@ -72,7 +83,7 @@ def mlflow_server(tmp_path_factory):
     server = MlflowServer(tmp_path_factory.mktemp("mlflow-server"))
     server.start()
     try:
-        yield server.url
+        yield server
     finally:
         server.stop()
         tracking_utils.set_tracking_uri(saved_uris[0])  # None unsets it
@@ -84,78 +95,131 @@ def mlflow_server(tmp_path_factory):
                 os.environ[key] = value
 
 
-def test_training_job_logs_registers_and_aliases_over_http(second_node, workspace, mlflow_server):
+@dataclass
+class SpreadRun:
+    run_id: str
+    client: MlflowClient  # over HTTP
+    down_ms: tuple[int, int]  # the server surely down: from stopped to being started again
+    training_during_outage: bool  # the job still running when the server was started again
+
+
+@pytest.fixture(scope="module")
+def spread_run(second_node, workspace, mlflow_server) -> SpreadRun:
+    """The DDP job (2 workers, STRICT_SPREAD: one on each node) tracked over HTTP and
+    registered; the server stops once the first epoch is in, and starts again `OUTAGE_S`
+    later while training goes on."""
     cfg = load_config(
         REFERENCE,
         [
             *workspace.overrides(
-                "training.epochs=2", "parallelism.placement_strategy=STRICT_SPREAD"
+                f"training.epochs={EPOCHS}",
+                "parallelism.placement_strategy=STRICT_SPREAD",
+                "tracking.system_metrics_interval_s=1",
+                f"experiment={EXPERIMENT}",
             ),
-            f"tracking.tracking_uri={mlflow_server}",
-            "tracking.registered_model=raylane-digits-server",
+            f"tracking.tracking_uri={mlflow_server.url}",
+            f"tracking.registered_model={MODEL}",
         ],
     )
-    outcome = run_training(cfg)
-    client = MlflowClient(tracking_uri=mlflow_server)
-    # Per-epoch metrics come from the rank-0 worker, over HTTP.
-    history = client.get_metric_history(outcome.run_id, "val_accuracy")
-    assert [m.step for m in history] == [0, 1]
-    champion = client.get_model_version_by_alias("raylane-digits-server", "champion")
-    assert champion.run_id == outcome.run_id
-    paths = {a.path for a in client.list_artifacts(outcome.run_id, "cluster")}
-    assert "cluster/snapshot.json" in paths
-    placement = client.download_artifacts(outcome.run_id, "parallel/placement.json")
-    nodes = {rank["node_id"] for rank in json.loads(Path(placement).read_text())["ranks"]}
-    assert len(nodes) == 2 and second_node in nodes
-
-
-def test_a_tracking_outage_mid_run_loses_no_epoch(ray_cluster, workspace, tmp_path):
-    """The server goes away after the first epoch and comes back while training goes on:
-    training does not stop, and every epoch's metrics are in MLflow afterwards."""
-    server = MlflowServer(tmp_path)
-    server.start()
-    epochs = 12
-    cfg = load_config(
-        REFERENCE,
-        [
-            *workspace.overrides(f"training.epochs={epochs}"),
-            f"tracking.tracking_uri={server.url}",
-            "tracking.registered_model=raylane-digits-outage",
-            "tracking.system_metrics_interval_s=0",
-            "experiment=digits-outage",
-        ],
-    )
-    client = MlflowClient(tracking_uri=server.url)
+    client = MlflowClient(tracking_uri=mlflow_server.url)
     outcome: dict = {}
 
     def train() -> None:
-        outcome.update(done=run_training(cfg, register=False))  # nobody reads its model
+        try:
+            outcome["done"] = run_training(cfg)
+        except BaseException as exc:  # noqa: BLE001 - raised again below, in the test's thread
+            outcome["error"] = exc
 
-    trainer = threading.Thread(target=train)
-    try:
-        trainer.start()
-        deadline = time.monotonic() + 300
-        while not _epochs_logged(client, "digits-outage"):
-            assert trainer.is_alive() and time.monotonic() < deadline, "no epoch logged"
-            time.sleep(0.1)
-        server.stop()
-        time.sleep(8)  # training goes on meanwhile
-        assert trainer.is_alive()
-        server.start()
-        trainer.join(timeout=600)
-        assert "done" in outcome, "training did not finish"
-        run_id = outcome["done"].run_id
-        history = client.get_metric_history(run_id, "val_loss")
-        assert sorted({m.step for m in history}) == list(range(epochs))
-        assert client.get_run(run_id).info.status == "FINISHED"
-        worker_log = Path(client.download_artifacts(run_id, "logs/rank-0.err")).read_text()
-        assert "tracking server unreachable" in worker_log, worker_log[-2000:]
-        assert "tracking server back" in worker_log
-    finally:
-        server.stop()
+    trainer = threading.Thread(target=train, daemon=True)
+    trainer.start()
+    deadline = time.monotonic() + 300
+    while not _epochs_logged(client, EXPERIMENT):
+        assert trainer.is_alive() and time.monotonic() < deadline, f"no epoch logged: {outcome}"
+        time.sleep(0.1)
+    mlflow_server.stop()
+    stopped_ms = _now_ms()
+    time.sleep(OUTAGE_S)
+    restarting_ms, training = _now_ms(), trainer.is_alive()
+    mlflow_server.start()
+    trainer.join(timeout=600)
+    if "error" in outcome:
+        raise outcome["error"]
+    assert "done" in outcome, "training did not finish"
+    return SpreadRun(outcome["done"].run_id, client, (stopped_ms, restarting_ms), training)
+
+
+def _now_ms() -> int:
+    return int(time.time() * 1000)
 
 
 def _epochs_logged(client: MlflowClient, experiment: str) -> bool:
     found = client.get_experiment_by_name(experiment)
     runs = client.search_runs([found.experiment_id]) if found else []
     return bool(runs) and bool(client.get_metric_history(runs[0].info.run_id, "val_loss"))
+
+
+def _artifact(client: MlflowClient, run_id: str, path: str) -> dict:
+    return json.loads(Path(client.download_artifacts(run_id, path)).read_text())
+
+
+def _placement(client: MlflowClient, run_id: str) -> list[dict]:
+    """Each rank's node, from the run; and each node that ran workers sampled itself into the
+    run's System metrics."""
+    placement = _artifact(client, run_id, "parallel/placement.json")["ranks"]
+    metrics = client.get_run(run_id).data.metrics
+    for rank in placement:
+        for name in ("cpu_utilization_percentage", "system_memory_usage_megabytes"):
+            assert f"system/{rank['node']}/{name}" in metrics, sorted(metrics)
+    return placement
+
+
+def test_ddp_workers_spread_over_both_nodes_and_the_run_records_them(spread_run, second_node):
+    client, run_id = spread_run.client, spread_run.run_id
+    placement = _placement(client, run_id)
+    worker_nodes = {rank["node_id"] for rank in placement}
+    assert len(placement) == 2 and len(worker_nodes) == 2
+    assert len({rank["node"] for rank in placement}) == 2  # two nodes in System metrics
+    snapshot = _artifact(client, run_id, "cluster/snapshot.json")
+    assert worker_nodes == {node["node_id"] for node in snapshot["nodes"]}
+    assert second_node in worker_nodes
+
+
+def test_training_job_logs_registers_and_aliases_over_http(spread_run):
+    client, run_id = spread_run.client, spread_run.run_id
+    # Per-epoch metrics come from the rank-0 worker, over HTTP.
+    history = client.get_metric_history(run_id, "val_accuracy")
+    assert [m.step for m in history] == list(range(EPOCHS))
+    assert client.get_model_version_by_alias(MODEL, "champion").run_id == run_id
+    paths = {a.path for a in client.list_artifacts(run_id, "cluster")}
+    assert "cluster/snapshot.json" in paths
+
+
+def test_a_tracking_outage_mid_run_loses_no_epoch(spread_run):
+    """Training does not stop while the server is away, and every epoch's metrics, those that
+    ended during the outage too, are in MLflow afterwards."""
+    client, run_id = spread_run.client, spread_run.run_id
+    assert spread_run.training_during_outage
+    history = client.get_metric_history(run_id, "val_loss")
+    assert [m.step for m in history] == list(range(EPOCHS))
+    # Metrics carry the time their epoch ended: some ended while the server was down.
+    down_from, down_to = spread_run.down_ms
+    assert any(down_from < m.timestamp < down_to for m in history), (spread_run.down_ms, history)
+    assert client.get_run(run_id).info.status == "FINISHED"
+    worker_log = Path(client.download_artifacts(run_id, "logs/rank-0.err")).read_text()
+    assert "tracking server unreachable" in worker_log, worker_log[-2000:]
+    assert "tracking server back" in worker_log
+
+
+def test_workers_target_a_node_type_by_custom_resource(second_node, workspace):
+    cfg = load_config(
+        REFERENCE,
+        workspace.overrides(
+            "training.epochs=1",
+            "tracking.registered_model=raylane-digits-multinode",
+            "tracking.system_metrics_interval_s=1",
+            f"parallelism.resources_per_worker={{CPU: 0.5, {SECOND_NODE_RESOURCE}: 1}}",
+        ),
+    )
+    outcome = run_training(cfg, register=False)  # nobody here reads the model
+    placement = _placement(MlflowClient(tracking_uri=workspace.tracking_uri), outcome.run_id)
+    assert [rank["node_id"] for rank in placement] == [second_node, second_node]

@@ -5,26 +5,13 @@ from __future__ import annotations
 
 from mlflow.tracking import MlflowClient
 
-from raylane.config import load_config
 from raylane.plan.profile_job import load_or_measure, measured_cluster, profile_key
 
-from .conftest import ROOT, lm_overrides
 
-
-def test_profile_measures_once_then_is_reused(ray_cluster, workspace):
-    cfg = load_config(
-        ROOT / "configs" / "train" / "lm_pipeline.yaml",
-        lm_overrides(
-            workspace,
-            "parallelism.strategy=ddp",
-            "parallelism.pp=1",
-            "parallelism.workers=2",
-            "parallelism.torch_threads=1",
-            "parallelism.resources_per_worker.CPU=0.25",
-        ),
-    )
-    found, run_id, reused = load_or_measure(cfg, workspace.tracking_uri, concurrency=[1, 2])
-    assert not reused and found["workers"] == 2 and set(found["levels"]) == {"1", "2"}
+def test_profile_measures_once_then_is_reused(lm_profile, workspace):
+    # The session's first call for this key: `lm_profile` ran the profile job.
+    cfg, found, run_id = lm_profile.config, lm_profile.profile, lm_profile.run_id
+    assert not lm_profile.reused and found["workers"] == 2 and set(found["levels"]) == {"1", "2"}
     for level in found["levels"].values():
         assert level["block_s"]["32"] > level["block_s"]["2"] > 0  # more rows take longer
         assert level["block"]["per_row_s"] > 0 and level["optimizer_s_per_param"] > 0

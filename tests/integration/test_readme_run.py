@@ -163,18 +163,22 @@ class TestOnARunningCluster:
             if "<run>" not in command:
                 return command
             first = done[0].output  # the GPipe run: same layout as the resumed one
-            run_dir = re.search(r"runs/([^/\s]+)/epoch_0002", first).group(1)
+            run_dir = re.search(r"runs/([^/\s]+)/epoch_0000", first).group(1)
             return command.replace("<run>", run_dir)
 
         run = _ok(run_commands(PIPELINES, copy, env, timeout_s=1200, fill=fill), PIPELINES.where)
         for command in run.commands:
             assert "val_loss" in command.output, command.output
         resumed = run.commands[-1].output
-        assert "epoch 5/5" in resumed and "epoch 1/5" not in resumed, resumed
-        # Epochs 1-3 came from the stages' checkpoint parts; only 4 and 5 were trained.
+        assert "epoch 2/2" in resumed and "epoch 1/2" not in resumed, resumed
+        # Epoch 1 came from the stages' checkpoint parts; only epoch 2 was trained.
         run_id = re.search(r"MLflow run ([0-9a-f]{32})", resumed).group(1)
         client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
-        assert [m.step for m in client.get_metric_history(run_id, "train_loss")] == [3, 4]
+        resumed_loss = client.get_metric_history(run_id, "train_loss")
+        assert [m.step for m in resumed_loss] == [1]
+        # It went on from the checkpoint's weights: below the first epoch's loss from scratch.
+        first = re.search(r"MLflow run ([0-9a-f]{32})", run.commands[0].output).group(1)
+        assert resumed_loss[0].value < client.get_run(first).data.metrics["train_loss"]
 
         # The hybrid run: 4 workers as dp=2 replicas of a 2-stage pipeline, and it learned.
         hybrid = re.search(r"MLflow run ([0-9a-f]{32})", run.commands[1].output).group(1)
@@ -319,6 +323,12 @@ class TestOnARunningCluster:
         assert "raylane-lm-lora v1" in generated and "def test_" in generated, generated
         second = " ".join(run.commands[-1].output.split())  # a second adapter, all projections
         assert "base: raylane-lm-serve v1" in second and "raylane-lm-lora v2" in second, second
+        found = re.search(r"python-stdlib-tests: base (\d\.\d+), fine-tuned (\d\.\d+)", second)
+        assert found and float(found[2]) < float(found[1]), second  # its 5 steps adapted it too
+        run_id = re.search(r"MLflow run ([0-9a-f]{32})", second).group(1)
+        short = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db").get_run(run_id).data
+        assert short.metrics["global_step"] == 5, short.metrics  # the README's short run
+        assert short.params["finetune.target_modules"] == "['q', 'k', 'v', 'proj']"
 
 
 def test_plan_block(readme):

@@ -1,11 +1,12 @@
 """Recovery is deterministic: a run whose driver is killed and then continued with `raylane
-train --resume RUN_ID` (DDP), and a pipeline run whose worker is SIGKILLed mid-run
-(max_failures=1: Ray Train replaces the worker group, each stage reloads its checkpoint part),
-both end with exactly the weights and per-epoch metrics of the session's uninterrupted
-reference run.
+train --resume RUN_ID` (DDP), and `raylane reproduce` of a pipeline run whose worker is
+SIGKILLed mid-run (max_failures=1: Ray Train replaces the worker group, each stage reloads its
+checkpoint part), both end with exactly the weights and per-epoch metrics of the session's
+uninterrupted reference run.
 
-The runs use the reference run's config; only names that do not touch the computation (the
-experiment, the registered model, the failure budget) differ.
+The driver run uses the reference run's config; only names that do not touch the computation
+(the experiment, the registered model, the failure budget) differ. The reproduction is the
+pipeline reference run's own recorded config.
 """
 
 from __future__ import annotations
@@ -21,11 +22,9 @@ from pathlib import Path
 import pytest
 from mlflow.tracking import MlflowClient
 
-from .conftest import REFERENCE, ROOT, lm_overrides
+from .conftest import REFERENCE
 
 pytestmark = pytest.mark.integration
-
-PIPELINE = ROOT / "configs" / "train" / "lm_pipeline.yaml"
 
 
 def _cli(*args: str) -> list[str]:
@@ -52,12 +51,15 @@ def _same_as_reference(trained, workspace, experiment: str) -> list[str]:
     )
 
 
-def _wait_for_run(client: MlflowClient, experiment: str, epochs_done: int, timeout_s=300):
-    """The experiment's run once it has logged `epochs_done` epochs (and its placement)."""
+def _wait_for_run(
+    client: MlflowClient, experiment: str, epochs_done: int, filter_string="", timeout_s=300
+):
+    """The experiment's newest run (among those `filter_string` selects) once it has logged
+    `epochs_done` epochs (and its placement)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         found = client.get_experiment_by_name(experiment)
-        runs = client.search_runs([found.experiment_id]) if found else []
+        runs = client.search_runs([found.experiment_id], filter_string) if found else []
         if runs:
             run_id = runs[0].info.run_id
             history = client.get_metric_history(run_id, "val_loss")
@@ -116,50 +118,38 @@ def test_a_killed_driver_resumes_the_same_run_and_ends_identical(ray_cluster, wo
     _assert_same_as_reference(client, run_id, trained)
 
 
-def test_a_killed_pipeline_stage_is_replaced_and_the_run_ends_identical(
+def test_reproducing_a_pipeline_run_replaces_a_killed_stage_and_ends_identical(
     ray_cluster, workspace, pipeline_run
 ):
-    """A killed worker (the pp=2 pipeline's last stage) is replaced; the restarted group reloads
-    each stage's checkpoint part and the run ends as the uninterrupted one did."""
-    cfg, reference = pipeline_run
+    """`raylane reproduce` of the session's pp=2 pipeline run, its last stage SIGKILLed after
+    the first epoch: the recorded failure budget (max_failures=1) replaces the worker, the
+    restarted group reloads each stage's checkpoint part, the checks pass, and the re-run ends
+    identical to the original."""
+    cfg, original = pipeline_run
+    assert cfg.training.max_failures == 1  # recorded with the run: the reproduction has it too
     client = MlflowClient(tracking_uri=workspace.tracking_uri)
-    experiment = "recovery-pipeline"
-    overrides = [
-        *lm_overrides(workspace, f"training.epochs={cfg.training.epochs}"),
-        f"experiment={experiment}",
-        f"tracking.registered_model=raylane-{experiment}",
-        "training.max_failures=1",
-    ]
+    env = {**_env(ray_cluster), "MLFLOW_TRACKING_URI": workspace.tracking_uri}
     process = subprocess.Popen(
-        _cli("--config", str(PIPELINE), *_set(overrides)),
-        env=_env(ray_cluster), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [sys.executable, "-m", "raylane.cli", "reproduce", original.run_id],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )  # fmt: skip
     try:
-        run_id = _wait_for_run(client, experiment, epochs_done=1)
+        run_id = _wait_for_run(
+            client, cfg.experiment, epochs_done=1,
+            filter_string=f"tags.`raylane.reproduces` = '{original.run_id}'",
+        )  # fmt: skip
         victim = next(rank for rank in _placement(client, run_id) if rank["rank"] == 1)
         os.kill(victim["pid"], signal.SIGKILL)  # the last stage
         output, _ = process.communicate(timeout=600)
     finally:
         process.kill()
     assert process.returncode == 0, output[-4000:]
-    assert next(r for r in _placement(client, run_id) if r["rank"] == 1)["pid"] != victim["pid"]
-    _assert_same_as_reference(client, run_id, (cfg, reference))
-
-
-def test_reproduce_repeats_a_pipeline_run_identically(ray_cluster, workspace, pipeline_run):
-    """`raylane reproduce` on a pp=2 pipeline run: checks pass, the re-run is identical."""
-    _, original = pipeline_run
-    env = {**_env(ray_cluster), "MLFLOW_TRACKING_URI": workspace.tracking_uri}
-    done = subprocess.run(
-        [sys.executable, "-m", "raylane.cli", "reproduce", original.run_id],
-        env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-4000:]
     assert "identical" in output and "≠" not in output, output[-4000:]
-    client = MlflowClient(tracking_uri=workspace.tracking_uri)
+    assert next(r for r in _placement(client, run_id) if r["rank"] == 1)["pid"] != victim["pid"]
     again = client.search_runs(
         [client.get_run(original.run_id).info.experiment_id],
         filter_string=f"tags.`raylane.reproduces` = '{original.run_id}'",
     )
-    assert len(again) == 1 and again[0].data.tags["raylane.reproduced"] == "identical"
+    assert [r.info.run_id for r in again] == [run_id]
+    assert again[0].data.tags["raylane.reproduced"] == "identical"
+    _assert_same_as_reference(client, run_id, pipeline_run)

@@ -2,13 +2,13 @@
 routing of rows to replicas and stages, the configured optimizer, MLflow): each trains what one
 worker trains on the same global batches; tensor-parallel and FSDP runs checkpoint sharded,
 resume to the uninterrupted result (as a context-parallel run does), record per-worker memory,
-and their assembled model is registered and answers over the inference endpoint."""
+and their assembled model is registered whole and loads as the inference endpoint loads it (a
+served pipeline model answers over HTTP in test_pipeline_jobs.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import httpx
 import mlflow
 import pytest
 import torch
@@ -17,12 +17,16 @@ from mlflow.tracking import MlflowClient
 from raylane.config import load_config
 from raylane.config.layout import replicas
 from raylane.data.parquet import read_rows
+from raylane.inference.predictor import Predictor
+from raylane.tracking.identity import weights_digest
 from raylane.train.job import run_training
 
-from .conftest import ROOT, free_port, lm_overrides
+from .conftest import ROOT, lm_overrides
 
 STEPS = 3
-ROWS = 8  # per replica
+# Every run's global batch: each replica of a layout takes its slice, so one 1-worker run of
+# GLOBAL_ROWS rows a step is the reference for every layout.
+GLOBAL_ROWS = 16
 REGISTERED = {"3d", "fsdp-tp"}  # the layouts whose registered model a test reads
 
 # Pipeline and hybrid alone are the 3D layout without tp: their schedules are checked step by
@@ -81,23 +85,16 @@ def _losses(workspace, run_id: str) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def one_worker(ray_cluster, workspace):
-    """Per-epoch losses of one DDP worker, by global batch size (rows)."""
-    found = {}
-
-    def losses(rows: int) -> list[float]:
-        if rows not in found:
-            cfg = _config(
-                workspace,
-                "parallelism.strategy=ddp",
-                "parallelism.pp=1",
-                "parallelism.workers=1",
-                f"training.batch_size={rows}",
-            )
-            found[rows] = _losses(workspace, run_training(cfg, register=False).run_id)
-        return found[rows]
-
-    return losses
+def one_worker(ray_cluster, workspace) -> list[float]:
+    """Per-epoch losses of one DDP worker on the global batches every layout reads."""
+    cfg = _config(
+        workspace,
+        "parallelism.strategy=ddp",
+        "parallelism.pp=1",
+        "parallelism.workers=1",
+        f"training.batch_size={GLOBAL_ROWS}",
+    )
+    return _losses(workspace, run_training(cfg, register=False).run_id)
 
 
 @pytest.fixture(scope="module")
@@ -106,11 +103,12 @@ def layout_runs(ray_cluster, workspace):
 
     def run(name: str, *extra: str):
         if (name, extra) not in ran:
+            layout = (*LAYOUTS[name], f"parallelism.workers={WORKERS[name]}")
+            rows = GLOBAL_ROWS // replicas(_config(workspace, *layout))  # per replica
             cfg = _config(
                 workspace,
-                *LAYOUTS[name],
-                f"parallelism.workers={WORKERS[name]}",
-                f"training.batch_size={ROWS}",
+                *layout,
+                f"training.batch_size={rows}",
                 f"tracking.registered_model=raylane-{name}",
                 *extra,
             )
@@ -123,10 +121,10 @@ def layout_runs(ray_cluster, workspace):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_trains_what_one_worker_trains(layout_runs, one_worker, workspace, name):
     cfg, outcome = layout_runs(name)
+    assert cfg.training.batch_size * replicas(cfg) == GLOBAL_ROWS
     got = _losses(workspace, outcome.run_id)
-    want = one_worker(ROWS * replicas(cfg))
-    assert len(got) == len(want) == 2
-    assert got == pytest.approx(want, rel=1e-4)
+    assert len(got) == len(one_worker) == 2
+    assert got == pytest.approx(one_worker, rel=1e-4)
     assert got[1] < got[0]  # it trained
 
 
@@ -142,7 +140,7 @@ def test_3d_checkpoint_holds_each_stages_assembled_part_and_its_shards(layout_ru
 
 
 def test_sharded_layouts_record_what_each_worker_holds(layout_runs, one_worker):
-    one_worker(ROWS)  # the session's first run also prepares the data
+    # `one_worker` first: the session's first run also prepares the data.
     metrics = {name: layout_runs(name)[1].metrics for name in ("tp-sp", "fsdp")}
     for name, found in metrics.items():
         for part in ("param", "grad", "optimizer_state", "activation_peak"):
@@ -186,42 +184,29 @@ def test_a_context_parallel_checkpoint_resumes_to_the_uninterrupted_result(layou
     )
 
 
-@pytest.fixture(scope="module")
-def fsdp_tp_endpoint(layout_runs, workspace):
-    from raylane.serving.app import deploy, shutdown_serve
-
+def test_assembled_fsdp_tp_model_is_registered_whole_and_loads_as_served(layout_runs, workspace):
     cfg, outcome = layout_runs("fsdp-tp")
     assert outcome.model_version == 1 and outcome.promoted
-    served = cfg.model_copy(
-        update={"serving": cfg.serving.model_copy(update={"port": free_port()})}
-    )
-    url, _ = deploy(served)
-    try:
-        yield cfg, url
-    finally:
-        shutdown_serve()
-
-
-def test_assembled_fsdp_tp_model_is_registered_and_served(fsdp_tp_endpoint, workspace):
-    cfg, url = fsdp_tp_endpoint
     mlflow.set_tracking_uri(workspace.tracking_uri)
     model = mlflow.pytorch.load_model(f"models:/{cfg.tracking.registered_model}@champion")
     # The whole model, not one worker's shard of it.
     state, width = model.state_dict(), cfg.model.d_model
     assert state["blocks.0.attn.q.weight"].shape == (width, width)
     assert state["blocks.0.mlp.0.weight"].shape == (4 * width, width)
+    # Bit for bit the model the run assembled from its shards.
+    run = MlflowClient(tracking_uri=workspace.tracking_uri).get_run(outcome.run_id)
+    assert weights_digest(state) == run.data.tags["raylane.weights_digest"]
+    # The endpoint's loader (Serve's HTTP path is the same for any registered model) answers
+    # with the model's own next bytes.
+    predictor = Predictor.from_registry(
+        workspace.tracking_uri, cfg.tracking.registered_model, cfg.tracking.champion_alias
+    )
+    assert predictor.card.version == 1
     tokens, _ = read_rows(cfg.data.validation_path, cfg, limit=3)
-    body = {
-        "inputs": [
-            {"name": "tokens", "shape": list(tokens.shape), "datatype": "INT64",
-             "data": tokens.tolist()}
-        ]
-    }  # fmt: skip
-    response = httpx.post(f"{url}/v2/models/lm/infer", json=body, timeout=60)
-    assert response.status_code == 200, response.text
-    outputs = {o["name"]: o for o in response.json()["outputs"]}
+    logits = predictor.predict(tokens)
+    assert logits.shape == (3, cfg.model.num_classes)
     expected = model(torch.from_numpy(tokens))[:, -1, :].argmax(dim=-1).tolist()
-    assert outputs["label"]["data"] == expected
+    assert logits.argmax(axis=-1).tolist() == expected
 
 
 def test_an_fsdp_checkpoint_resumes_resharded_on_fewer_workers(layout_runs, workspace):
@@ -236,7 +221,7 @@ def test_an_fsdp_checkpoint_resumes_resharded_on_fewer_workers(layout_runs, work
         f"training.resume_from={checkpoint}",
         "parallelism.workers=1",
         "parallelism.dp=1",
-        f"training.batch_size={2 * ROWS}",
+        f"training.batch_size={GLOBAL_ROWS}",
     )
     assert _losses(workspace, resumed.run_id) == pytest.approx(
         _losses(workspace, uninterrupted.run_id)[1:], rel=1e-4

@@ -1,9 +1,11 @@
-"""A small real parallelism search on the session cluster: the model is profiled by a real
-Ray Train job, every layout predicted, and the top k measured as real Ray Train jobs."""
+"""A small real parallelism search on the session cluster: the model's profile (the session's,
+measured by a real Ray Train job) is reused, every layout predicted, and the top k measured as
+real Ray Train jobs."""
 
 from __future__ import annotations
 
 import csv
+import logging
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -15,8 +17,17 @@ from raylane.tune.spec import TuneSpec
 from .conftest import ROOT
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 @pytest.fixture(scope="module")
-def search(ray_cluster, workspace):
+def search(ray_cluster, workspace, lm_profile):
     spec = TuneSpec.model_validate(
         {
             "experiment": "tune-test",
@@ -28,25 +39,36 @@ def search(ray_cluster, workspace):
             ],
             "search": {
                 "strategy": ["ddp"],
-                "workers": [2, 8],  # 8 x 0.5 CPU is over the 2-CPU budget: pruned
+                # 1 and 2: the levels of the session's profile (`lm_profile`), which the
+                # search then reuses. 8 x 0.5 CPU is over the 2-CPU budget: pruned.
+                "workers": [1, 2, 8],
                 "batch_size": [16, 32],
                 # A checkpoint that does not exist: that trial fails at run time.
                 "extra": {"training.resume_from": [None, str(workspace.root / "missing")]},
             },
             "trial": {"epochs": 3, "steps_per_epoch": 4},
-            # Four valid layouts (two batch sizes x two checkpoints): the two predicted fastest
-            # share a batch size, and one of them crashes.
+            # Eight valid layouts (two world sizes x two batch sizes x two checkpoints): the
+            # two predicted fastest differ only in the checkpoint, and one of them crashes.
             "predict": {"top_k": 2},
             "output_dir": str(workspace.root / "generated"),
             "storage_path": str(workspace.root / "tune-runs"),
             "tracking_uri": workspace.tracking_uri,
         }
     )
-    return spec, plan(spec, Console(stderr=True))
+    # Whether the profile was measured or reused is an INFO line of the "raylane" logger.
+    logger, lines = logging.getLogger("raylane"), _Lines()
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
+        return spec, plan(spec, Console(stderr=True)), lines.lines
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
 
 
 def test_search_measures_trials_and_survives_a_crashed_one(search):
-    spec, result = search
+    spec, result, _ = search
     statuses = {t.candidate.key: t.status for t in result.outcome.trials}
     assert len(statuses) == 2
     failed = [t for t in result.outcome.trials if t.status == "failed"]
@@ -59,13 +81,13 @@ def test_search_measures_trials_and_survives_a_crashed_one(search):
 
 
 def test_only_the_top_k_predicted_are_measured_and_predictions_sit_next_to_measurements(
-    search, workspace
+    search, workspace, lm_profile
 ):
-    spec, result = search
+    spec, result, logged = search
     outcome = result.outcome
     launched = [t.predicted.samples_per_s for t in outcome.trials]
     skipped = [t.predicted.samples_per_s for t in outcome.not_run]
-    assert len(launched) == 2 and len(skipped) == 2
+    assert len(launched) == 2 and len(skipped) == 6
     assert min(launched) >= max(skipped)  # the measured ones were predicted fastest
     assert {t.status for t in outcome.not_run} == {"not run"}
     batch = {t.candidate.overrides["training.batch_size"] for t in outcome.trials}
@@ -77,14 +99,17 @@ def test_only_the_top_k_predicted_are_measured_and_predictions_sit_next_to_measu
     assert ok.step_ms > 0 and ok.predicted.step_ms == pytest.approx(ok.step_ms)
     assert 0.2 < outcome.calibration.step_scale < 5  # the profile is the right magnitude
 
-    # The profile is a run of its own, found again by its key.
+    # The profile is a run of its own, found again by its key: the session's, reused, not
+    # measured again.
+    assert outcome.profile_run_id == lm_profile.run_id
+    assert f"profile reused (MLflow run {lm_profile.run_id}," in " ".join(logged)
     profile = MlflowClient(tracking_uri=workspace.tracking_uri).get_run(outcome.profile_run_id)
     assert profile.data.metrics["block_flops_per_s"] > 1e8
     assert outcome.profile_s > 0
 
 
 def test_outputs_csv_plot_and_nested_mlflow_runs(search, workspace):
-    spec, result = search
+    spec, result, _ = search
     with result.csv_path.open() as handle:
         table = list(csv.DictReader(handle))
     assert {row["status"] for row in table} >= {"ok", "failed", "pruned", "not run"}
@@ -101,7 +126,7 @@ def test_outputs_csv_plot_and_nested_mlflow_runs(search, workspace):
         [parent.info.experiment_id],
         filter_string=f"tags.mlflow.parentRunId = '{result.mlflow_run_id}'",
     )
-    assert len(children) == 4  # two measured, two predicted only
+    assert len(children) == 8  # two measured, six predicted only
     ok = [c for c in children if c.data.tags["raylane.trial_status"] == "ok"]
     assert all(c.data.metrics["samples_per_s"] > 0 for c in ok)
     assert all(c.data.metrics["predicted_step_ms"] > 0 for c in children)
