@@ -165,17 +165,15 @@ def registered_state(tracking_uri: str, name: str, version: int) -> dict:
     return {k: v.detach().clone() for k, v in exported.state_dict().items()}
 
 
-def log_base_input(base: BaseModel) -> None:
-    """Tag the active run with its base and list the base's logged model as a model input."""
-    import mlflow
+def log_base_input(client, run_id: str, base: BaseModel) -> None:
+    """Tag the run with its base and list the base's logged model as a model input."""
+    from mlflow.entities import RunTag
 
-    mlflow.set_tags(base.tags())
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in base.tags().items()])
     if base.model_id:
         from mlflow.entities import LoggedModelInput
-        from mlflow.tracking import MlflowClient
 
-        run_id = mlflow.active_run().info.run_id
-        MlflowClient().log_inputs(run_id, [], models=[LoggedModelInput(model_id=base.model_id)])
+        client.log_inputs(run_id, [], models=[LoggedModelInput(model_id=base.model_id)])
 
 
 def register_adapter(model, cfg: RaylaneConfig, base_tags: dict[str, str]) -> tuple[str, int]:

@@ -27,47 +27,58 @@ DIFF_ARTIFACT = "code/git_diff.patch"
 REQUIREMENTS_ARTIFACT = "environment/requirements.txt"
 
 
-def log_run_context(cfg: RaylaneConfig, snapshot: dict[str, Any], dataset_digest: str) -> None:
-    """Into the active run: flattened params, resolved config, cluster snapshot, dataset inputs."""
+def log_run_context(
+    client: MlflowClient, run_id: str, cfg: RaylaneConfig, snapshot: dict[str, Any], digest: str
+) -> None:
+    """Into the run: flattened params, resolved config, cluster snapshot, dataset inputs.
+
+    Through an explicit client (not the fluent API's active run), so the driver can record it
+    on a thread while Ray starts the worker group."""
+    from mlflow.entities import Param, RunTag
+
     params = {k: str(v)[:500] for k, v in flatten(cfg.model_dump(mode="json")).items()}
     layout = ParallelDims.from_parallelism(cfg.parallelism)
-    mlflow.log_params({**params, **layout.as_params()})
-    mlflow.log_text(config_to_yaml(cfg), CONFIG_ARTIFACT)
+    params = [Param(k, v) for k, v in {**params, **layout.as_params()}.items()]
+    for start in range(0, len(params), 100):  # MLflow's limit of params per batch
+        client.log_batch(run_id, params=params[start : start + 100])
+    client.log_text(run_id, config_to_yaml(cfg), CONFIG_ARTIFACT)
     code = snapshot["code"]
     diff = code.pop("git_diff", None)
-    mlflow.log_dict(snapshot, SNAPSHOT_ARTIFACT)
+    client.log_dict(run_id, snapshot, SNAPSHOT_ARTIFACT)
     if diff:
-        mlflow.log_text(diff, DIFF_ARTIFACT)  # a dirty tree: what differs from the commit
+        client.log_text(run_id, diff, DIFF_ARTIFACT)  # a dirty tree: what differs from the commit
     lines = [f"layout: {layout.describe()}", *describe_stages(cfg)]
-    mlflow.log_text("\n".join(lines) + "\n", LAYOUT_ARTIFACT)
-    mlflow.set_tags(
-        {
-            "raylane.strategy": cfg.parallelism.strategy,
-            "raylane.layout": layout.describe(),
-            "raylane.workers": str(cfg.parallelism.workers),
-            "raylane.nodes": str(len(snapshot["nodes"])),
-            "raylane.dataset_digest": dataset_digest,
-            "raylane.seed": str(cfg.training.seed),
-            "mlflow.source.git.commit": code["git_commit"] or "unknown",
-            "raylane.git_dirty": str(code["git_dirty"]),
-        }
-    )
-    _log_dataset_inputs(cfg, dataset_digest)
+    client.log_text(run_id, "\n".join(lines) + "\n", LAYOUT_ARTIFACT)
+    tags = {
+        "raylane.strategy": cfg.parallelism.strategy,
+        "raylane.layout": layout.describe(),
+        "raylane.workers": str(cfg.parallelism.workers),
+        "raylane.nodes": str(len(snapshot["nodes"])),
+        "raylane.dataset_digest": digest,
+        "raylane.seed": str(cfg.training.seed),
+        "mlflow.source.git.commit": code["git_commit"] or "unknown",
+        "raylane.git_dirty": str(code["git_dirty"]),
+    }
+    client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+    _log_dataset_inputs(client, run_id, cfg, digest)
     manifest = Path(cfg.data.train_path).parent / "manifest.json"
     if manifest.is_file():
         # Prepared text datasets record which files (and bytes) they were made from.
-        mlflow.log_artifact(str(manifest), "data")
+        client.log_artifact(run_id, str(manifest), "data")
 
 
-def _log_dataset_inputs(cfg: RaylaneConfig, digest: str) -> None:
+def _log_dataset_inputs(client: MlflowClient, run_id: str, cfg: RaylaneConfig, digest: str):
     from mlflow.data.dataset_source_registry import get_registered_sources, resolve_dataset_source
     from mlflow.data.meta_dataset import MetaDataset
+    from mlflow.entities import DatasetInput, InputTag
+    from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
 
     from raylane.data.parquet import dataset_digest
 
     # MLflow registers two identical local-file sources ('file' and '' schemes) and warns that
     # a path is ambiguous between them; naming the first one resolves it.
     local = [s for s in get_registered_sources() if s._get_source_type() == "local"][:1]
+    inputs = []
     for context, path in (
         ("training", cfg.data.train_path),
         ("validation", cfg.data.validation_path),
@@ -76,7 +87,10 @@ def _log_dataset_inputs(cfg: RaylaneConfig, digest: str) -> None:
         dataset = MetaDataset(
             source=source, name=f"{cfg.data.source}-{context}", digest=dataset_digest(Path(path))
         )
-        mlflow.log_input(dataset, context=context, tags={"raylane.dataset_digest": digest})
+        tags = [InputTag(MLFLOW_DATASET_CONTEXT, context)]
+        tags.append(InputTag("raylane.dataset_digest", digest))
+        inputs.append(DatasetInput(dataset._to_mlflow_entity(), tags=tags))
+    client.log_inputs(run_id, datasets=inputs)
 
 
 class TrackingOutageError(RuntimeError):

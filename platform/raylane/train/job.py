@@ -7,6 +7,7 @@ import logging
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -166,18 +167,29 @@ def run_training(
     mlflow.set_tracking_uri(tracking_uri)
     experiment = mlflow.set_experiment(cfg.experiment)
     run_name, start = _run_start(cfg, resume_run_id)
-    with mlflow.start_run(**start) as run:
-        log.info("MLflow run %s in %s", run.info.run_id, tracking_uri)
-        _tag_run(cfg, tags, resume_run_id, digest, base)
-        trainer = _job_trainer(cfg, run_name, tracking_uri, run.info.run_id, base)
+    with mlflow.start_run(**start) as run, ThreadPoolExecutor(2, "raylane-run") as background:
+        run_id = run.info.run_id
+        log.info("MLflow run %s in %s", run_id, tracking_uri)
+        trainer = _job_trainer(cfg, run_name, tracking_uri, run_id, base)
+        # The run's context (params, config, cluster snapshot, inputs) is recorded while Ray
+        # starts the worker group: nothing in the fit reads it.
+        context = background.submit(
+            _tag_run, cfg, tags, resume_run_id, digest, base, tracking_uri, run_id
+        )
         fit_start = time.time()
         phases.add("run_setup", fit_start - setup_start)
-        result, metrics = _fit_run(cfg, trainer, tracking_uri, run.info.run_id, register)
+        try:
+            result, metrics = _fit_run(cfg, trainer, tracking_uri, run_id, register)
+        finally:
+            # Each rank's console output, read from Ray's log files while the model is logged.
+            logs = background.submit(_keep_worker_logs, tracking_uri, run_id)
+        context.result()
         fit_end = time.time()
         if result.checkpoint is None:
             raise RuntimeError(f"run {run_name} ended without a checkpoint")
         phases.split_fit(fit_start, fit_end, marks_from_metrics(result.metrics))
         registered = _record_model(cfg, result.checkpoint, metrics, register)
+        logs.result()
         phases.add("model", time.time() - fit_end)
         mlflow.log_metrics(phases.metrics())
     model_uri, version, promoted, promotion = registered or (None, None, False, "not registered")
@@ -239,24 +251,37 @@ def _resolve_base(cfg: RaylaneConfig, tracking_uri: str, resume_run_id: str | No
     return base
 
 
-def _tag_run(cfg: RaylaneConfig, tags, resume_run_id: str | None, digest: str, base) -> None:
+def _tag_run(cfg: RaylaneConfig, tags, resume_run_id, digest: str, base, tracking_uri, run_id):
     """The caller's tags; a resumed run is marked, a new one gets its whole context (and a
     fine-tuning run its base)."""
-    import mlflow
+    from mlflow.entities import RunTag
+    from mlflow.tracking import MlflowClient
 
     from raylane.tracking.cluster import snapshot_cluster
     from raylane.tracking.runs import log_run_context
 
+    client = MlflowClient(tracking_uri)
     if tags:
-        mlflow.set_tags(tags)
+        client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
     if resume_run_id:
-        mlflow.set_tag("raylane.resumed", "true")  # its base tags stay what it trained on
+        client.set_tag(run_id, "raylane.resumed", "true")  # its base tags stay what it trained on
         return
-    log_run_context(cfg, snapshot_cluster(cfg), digest)
+    log_run_context(client, run_id, cfg, snapshot_cluster(cfg), digest)
     if base is not None:
         from raylane.tracking.lineage import log_base_input
 
-        log_base_input(base)
+        log_base_input(client, run_id, base)
+
+
+def _keep_worker_logs(tracking_uri: str, run_id: str) -> None:
+    from mlflow.tracking import MlflowClient
+
+    from raylane.tracking.worker_logs import keep_worker_logs
+
+    try:
+        keep_worker_logs(MlflowClient(tracking_uri), run_id)
+    except Exception as exc:  # noqa: BLE001 - never mask how the fit ended
+        log.warning("worker logs not kept: %s", exc)
 
 
 def _job_trainer(cfg: RaylaneConfig, run_name: str, tracking_uri: str, run_id: str, base=None):

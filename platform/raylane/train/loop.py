@@ -12,7 +12,6 @@ import math
 import os
 import random
 import resource
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -247,8 +246,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Train the configured model on this worker's data, reporting once per epoch.
 
     `loop_config` holds the resolved config (`config`), and the MLflow run to log into
-    (`tracking_uri`, `run_id`): rank 0 logs the epochs, the first rank on each node its
-    system metrics, and every rank its console output (`logs/rank-N.*`).
+    (`tracking_uri`, `run_id`): rank 0 logs the epochs and where every rank ran (the driver
+    keeps each rank's console output from that), the first rank on each node its system
+    metrics.
     """
     marks = WorkerMarks()  # rank 0's marks split the job's phases (raylane.train.phases)
     context = ray.train.get_context()
@@ -278,7 +278,6 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     finally:
         if monitor is not None:
             monitor.finish()
-        _keep_worker_logs(loop_config, rank)
 
 
 def _plain_model(cfg: RaylaneConfig, loop_config: dict[str, Any]):
@@ -330,18 +329,6 @@ def _start_tracking(loop_config: dict[str, Any], cfg: RaylaneConfig, rank: int, 
     first_here = min(r["rank"] for r in placement if r["node_id"] == node) == rank
     interval_s = cfg.tracking.system_metrics_interval_s
     return epoch_logger, start_node_monitor(uri, run_id, interval_s, first_here)
-
-
-def _keep_worker_logs(loop_config: dict[str, Any], rank: int) -> None:
-    """This worker's console output into the run, however the loop ended."""
-    if not loop_config.get("run_id"):
-        return
-    from raylane.tracking.worker_logs import log_worker_logs
-
-    try:
-        log_worker_logs(loop_config["tracking_uri"], loop_config["run_id"], rank)
-    except Exception as exc:  # noqa: BLE001 - never mask how the loop ended
-        print(f"raylane: worker logs not kept: {exc}", file=sys.stderr)
 
 
 def _log_base_loss(strategy, model, validation_shard, cfg, epoch_logger) -> None:
