@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable
+import signal
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -36,7 +39,7 @@ def connect_ray(
     # `ray start` cluster of someone else's) runs on the machine.
     from raylane.console import long_step
 
-    with long_step("connecting to Ray" if address else "starting Ray"):
+    with long_step("connecting to Ray" if address else "starting Ray"), _sigterm_kept():
         context = ray.init(
             address=address or "local", logging_level=logging.WARNING, log_to_driver=verbose()
         )
@@ -44,6 +47,20 @@ def connect_ray(
         logs = Path(context.address_info.get("session_dir", "/tmp/ray/session_latest")) / "logs"
         logging.getLogger("raylane").info("Ray's logs: %s (--verbose shows them here)", logs)
     return address is None
+
+
+@contextlib.contextmanager
+def _sigterm_kept() -> Iterator[None]:
+    """Whatever handled SIGTERM before `ray.init` still does after it. Ray installs its own
+    handler (a stack dump, then exit, leaving what Ray started running); the command line's
+    handler stops a command as Ctrl-C does (`raylane.cli.stopping`)."""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if before is not None:
+            signal.signal(signal.SIGTERM, before)
 
 
 def disconnect_ray(started_here: bool) -> None:

@@ -14,4 +14,17 @@ for _commands in ("training", "serving", "planning", "runs"):
 
 
 def main() -> None:
-    app()
+    """The `raylane` command; SIGTERM stops it as Ctrl-C does, then exits 143."""
+    import sys
+
+    from raylane.cli.common import console
+    from raylane.cli.stopping import EXIT_SIGTERM, stop_on_sigterm, terminated
+
+    stop_on_sigterm()
+    try:
+        app()
+    except SystemExit:
+        if not terminated():
+            raise
+        console.print("stopped (SIGTERM)", highlight=False)
+        sys.exit(EXIT_SIGTERM)

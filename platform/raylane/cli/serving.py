@@ -219,9 +219,11 @@ def _cluster_address() -> str | None:
 def _block_until_interrupted() -> None:
     import time
 
+    from raylane.cli.stopping import stopped_by
+
     console.print("serving; press Ctrl-C to stop")
     try:
         while True:
             time.sleep(1)
-    except KeyboardInterrupt:
-        console.print("stopping (Ctrl-C)")
+    except KeyboardInterrupt as exc:
+        console.print(f"stopping ({stopped_by(exc)})")
