@@ -314,12 +314,13 @@ def _start_tracking(loop_config: dict[str, Any], cfg: RaylaneConfig, rank: int, 
     metrics monitor when this is its first rank; (None, None) for a run without MLflow."""
     if not loop_config.get("run_id"):
         return None, None
-    from raylane.tracking.runs import EpochLogger
     from raylane.tracking.system_metrics import start_node_monitor
 
     uri, run_id = loop_config["tracking_uri"], loop_config["run_id"]
     epoch_logger = None
-    if rank == 0:
+    if rank == 0:  # only rank 0 imports MLflow (about a second of CPU) for its logger
+        from raylane.tracking.runs import EpochLogger
+
         epoch_logger = EpochLogger(uri, run_id, cfg.tracking.outage_window_s)
         epoch_logger.log_placement(placement)
         epoch_logger.log_code_identity(placement)
