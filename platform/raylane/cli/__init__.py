@@ -38,9 +38,7 @@ def _exit(code) -> None:
     import sys
     import threading
 
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # as the interpreter does first: thread pools told to end, joined
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
