@@ -1,20 +1,23 @@
+import logging
+
 from mlflow.tracking import MlflowClient
 
 from raylane.tracking.runs import EpochLogger
 
 
-def test_an_epoch_that_ends_again_after_a_restart_is_logged_once(tmp_path, capsys):
+def test_an_epoch_that_ends_again_after_a_restart_is_logged_once(tmp_path, caplog):
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("restarts")).info.run_id
 
+    caplog.set_level(logging.INFO, logger="raylane")
     first = EpochLogger(uri, run_id)
     assert first.log_epoch({"val_loss": 2.0, "global_step": 44}, 0, again=True)  # none held
     # The group restarts from a checkpoint taken before epoch 0's end (a new logger, as in
     # the new group's rank 0), trains the last steps again and ends epoch 0 a second time.
     again = EpochLogger(uri, run_id)
     assert not again.log_epoch({"val_loss": 2.1, "global_step": 44}, 0, again=True)
-    assert "epoch 1 ended again after a restart" in capsys.readouterr().err
+    assert "epoch 1 ended again after a restart" in caplog.text
     assert again.log_epoch({"val_loss": 1.5, "global_step": 88}, 1)
 
     history = client.get_metric_history(run_id, "global_step")
@@ -37,4 +40,4 @@ def test_only_the_epoch_a_group_starts_in_is_checked_and_an_unreachable_store_sk
     # A store that cannot say what it holds: the epoch is logged (and waits for the store
     # like any epoch), never dropped.
     gone = EpochLogger(f"sqlite:///{tmp_path / 'missing' / 'mlflow.db'}", run_id, 0.0)
-    assert gone._holds(0) is False
+    assert gone.holds(0) is False

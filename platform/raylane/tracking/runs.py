@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
-import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,8 @@ from raylane.config import RaylaneConfig
 from raylane.config.dims import ParallelDims
 from raylane.config.layout import describe_stages
 from raylane.config.loader import config_to_yaml, flatten
+
+log = logging.getLogger("raylane")
 
 CONFIG_ARTIFACT = "config/resolved.yaml"
 SNAPSHOT_ARTIFACT = "cluster/snapshot.json"
@@ -93,6 +97,25 @@ def _log_dataset_inputs(client: MlflowClient, run_id: str, cfg: RaylaneConfig, d
     client.log_inputs(run_id, datasets=inputs)
 
 
+@contextlib.contextmanager
+def fail_fast_tracking() -> Iterator[None]:
+    """MLflow's HTTP calls fail at once while this is open (no retries, 10 s timeout) unless
+    the environment sets otherwise: the driver holds metrics back through an outage and tries
+    again within a second, instead of MLflow's minutes of retries."""
+    saved = {name: os.environ.get(name) for name in FAIL_FAST}
+    for name, value in FAIL_FAST.items():
+        os.environ.setdefault(name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+
+
+FAIL_FAST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
 class TrackingOutageError(RuntimeError):
     """The tracking server stayed away longer than the outage window."""
 
@@ -104,7 +127,7 @@ EPOCH_KEY = "val_loss"  # a metric every epoch logs, at the epoch's step
 
 
 class EpochLogger:
-    """Logs per-epoch metrics into an existing run from a Ray Train worker (rank 0).
+    """Logs per-epoch metrics into an existing run (the driver, from rank 0's journal).
 
     A tracking server that goes away does not stop training: metrics wait in memory and go out
     with the next epoch's (or at `close`), as long as the server is back within
@@ -113,9 +136,6 @@ class EpochLogger:
     """
 
     def __init__(self, tracking_uri: str, run_id: str, outage_window_s: float = 300.0):
-        # Fail fast instead of MLflow's minutes of HTTP retries: the next epoch retries anyway.
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         self._client = MlflowClient(tracking_uri=tracking_uri)
         self._uri = tracking_uri
         self._run_id = run_id
@@ -127,14 +147,12 @@ class EpochLogger:
         """Which node (and process) each rank runs on: the layout as it really was."""
         self._client.log_dict(self._run_id, {"ranks": placement}, PLACEMENT_ARTIFACT)
 
-    def log_code_identity(self, placement: list[dict]) -> None:
+    def log_code_identity(self, placement: list[dict], requirements: str) -> None:
         """The raylane code the workers imported (one digest: `check_same_code` ran first)
-        and the packages of the workers' environment."""
-        from raylane.tracking.identity import requirements
-
+        and the packages of the workers' environment (`identity.requirements` there)."""
         self._client.set_tag(self._run_id, "raylane.code_digest", placement[0]["code_digest"])
         self._client.set_tag(self._run_id, "raylane.code_path", placement[0]["code_path"])
-        self._client.log_text(self._run_id, requirements(), REQUIREMENTS_ARTIFACT)
+        self._client.log_text(self._run_id, requirements, REQUIREMENTS_ARTIFACT)
 
     def log_tables(self, tables: dict[str, dict]) -> None:
         """JSON artifacts a strategy keeps for the run (e.g. its staleness histogram); they
@@ -143,7 +161,7 @@ class EpochLogger:
             try:
                 self._client.log_dict(self._run_id, table, f"{name}.json")
             except Exception as exc:  # noqa: BLE001 - metrics matter more; say it and go on
-                print(f"raylane: {name}.json not logged: {exc}", file=sys.stderr)
+                log.warning("%s.json not logged: %s", name, exc)
 
     def log_step_split(self, history: list[dict[str, float]]) -> None:
         """The per-epoch step-time split as a stacked-bar figure (`step_time_split.png`)."""
@@ -154,33 +172,37 @@ class EpochLogger:
         try:
             self._client.log_figure(self._run_id, step_split_figure(history), "step_time_split.png")
         except Exception as exc:  # noqa: BLE001
-            print(f"raylane: step_time_split.png not logged: {exc}", file=sys.stderr)
+            log.warning("step_time_split.png not logged: %s", exc)
 
-    def log(self, metrics: dict[str, float], step: int) -> None:
-        now = int(time.time() * 1000)
+    def log(self, metrics: dict[str, float], step: int, at: float | None = None) -> None:
+        """Metrics at `step`, stamped `at` (when they were measured; now by default)."""
+        stamp = int((time.time() if at is None else at) * 1000)
         self._pending += [
-            Metric(key, float(value), now, step) for key, value in metrics.items() if key != "epoch"
+            Metric(key, float(value), stamp, step)
+            for key, value in metrics.items()
+            if key != "epoch"
         ]
         if not self._flush():
             self._check_window()
 
-    def log_epoch(self, metrics: dict[str, float], epoch: int, again: bool = False) -> bool:
+    def log_epoch(
+        self, metrics: dict[str, float], epoch: int, again: bool = False, at: float | None = None
+    ) -> bool:
         """An epoch's metrics, once. A group restarted from a checkpoint taken before the end
         of the epoch it starts in (`again`: a resize, a preemption, a failure) trains that
         epoch's last steps again and reaches the same end; if the run already holds that
         epoch, its first record is kept. Whether the metrics were logged now."""
-        if again and self._holds(epoch):
-            print(
-                f"raylane: epoch {epoch + 1} ended again after a restart; its metrics were "
-                "logged the first time and are kept as they are",
-                file=sys.stderr,
-                flush=True,
+        if again and self.holds(epoch):
+            log.info(
+                "epoch %d ended again after a restart; its metrics were logged the first time "
+                "and are kept as they are",
+                epoch + 1,
             )
             return False
-        self.log(metrics, step=epoch)
+        self.log(metrics, step=epoch, at=at)
         return True
 
-    def _holds(self, epoch: int) -> bool:
+    def holds(self, epoch: int) -> bool:
         """Whether the run has `epoch`'s metrics (False when the store cannot say: an outage
         is waited out by `log` as for any epoch)."""
         try:
@@ -203,15 +225,11 @@ class EpochLogger:
             if self._down_since is None:
                 self._down_since = time.monotonic()
                 reason = str(exc).splitlines()[0][:200]
-                print(
-                    f"raylane: {OUTAGE} ({reason}); metrics are kept and sent when it is back",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                log.warning("%s (%s); metrics are kept and sent when it is back", OUTAGE, reason)
             return False
         if self._down_since is not None:
             away = time.monotonic() - self._down_since
-            print(f"raylane: tracking server back after {away:.0f} s", file=sys.stderr, flush=True)
+            log.warning("tracking server back after %.0f s", away)
         self._pending.clear()
         self._down_since = None
         return True

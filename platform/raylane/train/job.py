@@ -178,8 +178,9 @@ def run_training(
         )
         fit_start = time.time()
         phases.add("run_setup", fit_start - setup_start)
+        recorder = _recorder(cfg, run_name, tracking_uri, run_id, resume_run_id is not None)
         try:
-            result, metrics = _fit_run(cfg, trainer, tracking_uri, run_id, register)
+            result, metrics = _fit_run(cfg, trainer, recorder, register)
         finally:
             # Each rank's console output, read from Ray's log files while the model is logged.
             logs = background.submit(_keep_worker_logs, tracking_uri, run_id)
@@ -188,8 +189,11 @@ def run_training(
         if result.checkpoint is None:
             raise RuntimeError(f"run {run_name} ended without a checkpoint")
         phases.split_fit(fit_start, fit_end, marks_from_metrics(result.metrics))
+        # The journal's last records (and what an outage held back) while the model is logged.
+        recorded = background.submit(recorder.finish)
         registered = _record_model(cfg, result.checkpoint, metrics, register)
         logs.result()
+        _outage_stops(recorded.result)
         phases.add("model", time.time() - fit_end)
         mlflow.log_metrics(phases.metrics())
     model_uri, version, promoted, promotion = registered or (None, None, False, "not registered")
@@ -292,11 +296,14 @@ def _job_trainer(cfg: RaylaneConfig, run_name: str, tracking_uri: str, run_id: s
 
     from raylane.data.ray_datasets import read_datasets
     from raylane.tracking.identity import code_digest, package_dir
-    from raylane.train.trainer import build_trainer
+    from raylane.train.trainer import build_trainer, journal_path
 
     loop_config = {
         "tracking_uri": tracking_uri,
         "run_id": run_id,
+        "journal_path": str(journal_path(cfg, run_name)),
+        # The driver samples its own node's system metrics; ranks sample the other nodes.
+        "driver_node": ray.get_runtime_context().get_node_id(),
         "driver_code": {"code_digest": code_digest(), "code_path": str(package_dir())},
     }
     if base is not None:
@@ -315,15 +322,55 @@ def _job_trainer(cfg: RaylaneConfig, run_name: str, tracking_uri: str, run_id: s
     return trainer
 
 
-def _fit_run(cfg: RaylaneConfig, trainer, tracking_uri: str, run_id: str, register: bool):
-    """Fit with the epoch lines on the console; the result and its numeric final metrics."""
+def _recorder(cfg: RaylaneConfig, run_name: str, tracking_uri: str, run_id: str, resumed: bool):
+    """The run's recorder: rank 0's journal into the MLflow run, epoch lines on the console."""
+    import ray
+
+    from raylane.train.recorder import RunRecorder
+    from raylane.train.trainer import journal_path
+
+    return RunRecorder(
+        journal_path(cfg, run_name),
+        tracking_uri,
+        run_id,
+        cfg.training.epochs,
+        cfg.tracking.outage_window_s,
+        cfg.tracking.system_metrics_interval_s,
+        driver_node=ray.get_runtime_context().get_node_id(),
+        resumed=resumed,
+    )
+
+
+def _outage_stops(call) -> None:
+    """`call()`, with a tracking outage past its window raised as the job's one-line error."""
+    from raylane.tracking import TrackingError
+    from raylane.tracking.runs import TrackingOutageError
+
+    try:
+        call()
+    except TrackingOutageError as outage:
+        raise TrackingError(str(outage)) from None
+
+
+def _fit_run(cfg: RaylaneConfig, trainer, recorder, register: bool):
+    """Fit with the epoch lines on the console and the journal logged as it grows; the result
+    and its numeric final metrics. A tracking outage past its window stops the fit."""
+    from raylane.tracking.runs import fail_fast_tracking
     from raylane.train.elastic import NodeWatch
-    from raylane.train.progress import EpochProgress
 
     warming = _warm_model_logging() if register else None
     watch = NodeWatch() if cfg.parallelism.elastic else contextlib.nullcontext()
-    with EpochProgress(tracking_uri, run_id, cfg.training.epochs), watch:
-        result = _fit(trainer)
+    with fail_fast_tracking(), recorder, watch:
+        try:
+            result = _fit(trainer)
+        except BaseException:
+            if recorder.error is None:
+                raise
+            result = None
+    if recorder.error is not None:  # the recorder stopped the fit: the outage is the error
+        from raylane.tracking import TrackingError
+
+        raise TrackingError(str(recorder.error)) from None
     if warming is not None:
         warming.join()
     metrics = {

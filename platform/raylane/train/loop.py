@@ -246,9 +246,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Train the configured model on this worker's data, reporting once per epoch.
 
     `loop_config` holds the resolved config (`config`), and the MLflow run to log into
-    (`tracking_uri`, `run_id`): rank 0 logs the epochs and where every rank ran (the driver
-    keeps each rank's console output from that), the first rank on each node its system
-    metrics.
+    (`tracking_uri`, `run_id`, `journal_path`): rank 0 journals where every rank ran and each
+    epoch, which the driver logs into the run (it keeps each rank's console output too); the
+    first rank on each node other than the driver's samples its system metrics.
     """
     marks = WorkerMarks()  # rank 0's marks split the job's phases (raylane.train.phases)
     context = ray.train.get_context()
@@ -268,13 +268,9 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     start = _restore(strategy, model, optimizer, restore_point(cfg, loop_config), cfg)
     placement = _gather_placement(rank)
     check_same_code(placement, loop_config.get("driver_code"))
-    epoch_logger, monitor = _start_tracking(loop_config, cfg, rank, placement)
+    journal, monitor = _start_tracking(loop_config, cfg, rank, placement)
     try:
-        _train_epochs(
-            strategy, model, optimizer, cfg, start, rank, epoch_logger, marks, loop_config
-        )
-        if epoch_logger is not None:
-            epoch_logger.close()  # metrics held back by a tracking outage
+        _train_epochs(strategy, model, optimizer, cfg, start, rank, journal, marks, loop_config)
     finally:
         if monitor is not None:
             monitor.finish()
@@ -310,44 +306,46 @@ def _restore(strategy, model, optimizer, checkpoint, cfg: RaylaneConfig) -> Posi
 
 
 def _start_tracking(loop_config: dict[str, Any], cfg: RaylaneConfig, rank: int, placement):
-    """Rank 0's epoch logger (with the placement and code identity) and this node's system
-    metrics monitor when this is its first rank; (None, None) for a run without MLflow."""
-    if not loop_config.get("run_id"):
+    """Rank 0's journal (`raylane.train.journal`: the driver logs it into the MLflow run),
+    opened with the group's placement and the workers' packages, and this node's system
+    metrics monitor when this is its first rank and the driver does not sample the node
+    itself; (None, None) for a run without MLflow (a Tune trial)."""
+    if not loop_config.get("journal_path"):
         return None, None
     from raylane.tracking.system_metrics import start_node_monitor
 
-    uri, run_id = loop_config["tracking_uri"], loop_config["run_id"]
-    epoch_logger = None
-    if rank == 0:  # only rank 0 imports MLflow (about a second of CPU) for its logger
-        from raylane.tracking.runs import EpochLogger
+    journal = None
+    if rank == 0:
+        from raylane.tracking.identity import requirements
+        from raylane.train.journal import Journal
 
-        epoch_logger = EpochLogger(uri, run_id, cfg.tracking.outage_window_s)
-        epoch_logger.log_placement(placement)
-        epoch_logger.log_code_identity(placement)
+        journal = Journal(loop_config["journal_path"])
+        journal.log_group(placement, requirements())
     # The first rank on each Ray node samples it (not "local rank 0": Ray numbers local ranks
-    # per IP, and several nodes can share one).
+    # per IP, and several nodes can share one); the driver samples its own node.
     node = ray.get_runtime_context().get_node_id()
     first_here = min(r["rank"] for r in placement if r["node_id"] == node) == rank
+    first_here = first_here and node != loop_config.get("driver_node")
+    uri, run_id = loop_config["tracking_uri"], loop_config["run_id"]
     interval_s = cfg.tracking.system_metrics_interval_s
-    return epoch_logger, start_node_monitor(uri, run_id, interval_s, first_here)
+    return journal, start_node_monitor(uri, run_id, interval_s, first_here)
 
 
-def _log_base_loss(strategy, model, validation_shard, cfg, epoch_logger) -> None:
+def _log_base_loss(strategy, model, validation_shard, cfg, journal) -> None:
     """A fine-tuning run's base on the new domain, before the first step (`base_val_loss`)."""
     base_loss, _ = _evaluate(strategy, model, validation_shard, cfg)
-    if epoch_logger is not None:
-        epoch_logger.log({"base_val_loss": base_loss}, step=0)
+    if journal is not None:
+        journal.log({"base_val_loss": base_loss}, step=0)
 
 
-def _train_epochs(strategy, model, optimizer, cfg, start, rank, epoch_logger, marks, loop_config):
-    """From `start` on: train, evaluate, log (rank 0), checkpoint and report each epoch."""
+def _train_epochs(strategy, model, optimizer, cfg, start, rank, journal, marks, loop_config):
+    """From `start` on: train, evaluate, journal (rank 0), checkpoint and report each epoch."""
     memory = loop_config.get("memory_splits") or {}
     train_shard = memory.get("train") or ray.train.get_dataset_shard("train")
     validation_shard = memory.get("validation") or ray.train.get_dataset_shard("validation")
-    split_history: list[dict[str, float]] = []
     if cfg.finetune is not None and start == Position(0):
-        _log_base_loss(strategy, model, validation_shard, cfg, epoch_logger)
-    saver = StepCheckpoints(cfg, strategy, model, optimizer, start, loop_config, epoch_logger)
+        _log_base_loss(strategy, model, validation_shard, cfg, journal)
+    saver = StepCheckpoints(cfg, strategy, model, optimizer, start, loop_config, journal)
     for epoch in range(start.epoch, cfg.training.epochs):
         train_loss, rows, split, elapsed = _train_epoch(
             strategy, model, optimizer, train_shard, cfg, epoch, rank, marks,
@@ -370,8 +368,6 @@ def _train_epochs(strategy, model, optimizer, cfg, start, rank, epoch_logger, ma
         if cfg.model.kind == "gpt":  # tokens are bytes: the loss in bits is bits per byte
             metrics["val_bits_per_byte"] = val_loss / math.log(2)
         again = epoch == start.epoch  # an earlier group may have ended it before a restart
-        if epoch_logger is not None and epoch_logger.log_epoch(metrics, epoch, again):
-            split_history.append(metrics)
-            epoch_logger.log_step_split(split_history)
-            epoch_logger.log_tables(strategy.run_tables)
+        if journal is not None:  # before the report: the driver has it when fit() returns
+            journal.log_epoch(metrics, epoch, again, strategy.run_tables)
         saver.report(epoch, metrics, f"epoch_{epoch:04d}", marks.report_metrics())

@@ -29,6 +29,13 @@ ELASTIC_START_TIMEOUT_S = "5"
 PROGRESS_FILE = "raylane_progress.json"
 
 
+def journal_path(cfg: RaylaneConfig, run_name: str) -> Path:
+    """Where rank 0 journals the run for the driver (`raylane.train.journal`)."""
+    from raylane.train.journal import JOURNAL_FILE
+
+    return _run_dir(cfg, run_name) / JOURNAL_FILE
+
+
 def prompt_health_checks() -> None:
     """Set raylane's health-check and drain-poll intervals for the Ray Train runs this
     process starts."""

@@ -1,0 +1,154 @@
+"""The driver's side of the run's journal (`raylane.train.journal`): while the fit runs, rank
+0's records go into the MLflow run and each finished epoch gets one line on the console.
+
+A thread reads the journal twice a second. Placement and code identity, epoch metrics, tables
+and the step-time split figure are logged through one `EpochLogger`, whose outage buffer keeps
+training going while the tracking server is away; past the outage window the recorder stops
+the fit as Ctrl-C does (Ray Train aborts the run, which stays resumable from its checkpoints)
+and the job ends with the logger's one line. Where ranks run on the driver's own node, the
+driver samples that node's system metrics (ranks on other nodes sample theirs).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from raylane.train.journal import read_records
+from raylane.train.progress import format_epoch
+
+log = logging.getLogger("raylane")
+
+
+class RunRecorder:
+    """Context manager: while open, log the journal's records into the run; `finish()` then
+    logs the rest and waits out an outage (up to its window)."""
+
+    def __init__(
+        self,
+        journal: Path,
+        tracking_uri: str,
+        run_id: str,
+        epochs: int,
+        outage_window_s: float,
+        system_metrics_interval_s: float,
+        driver_node: str | None = None,
+        resumed: bool = False,
+        emit: Callable[[str], None] = log.info,
+        interval_s: float = 0.5,
+    ):
+        from raylane.tracking.runs import EpochLogger
+
+        self._journal = journal
+        self._offset = 0
+        self._logger = EpochLogger(tracking_uri, run_id, outage_window_s)
+        self._uri, self._run_id = tracking_uri, run_id
+        self._epochs = epochs
+        self._monitor_s = system_metrics_interval_s
+        self._driver_node = driver_node
+        self._resumed = resumed  # the journal holds epochs an earlier driver may have logged
+        self._monitor = None
+        self._emit = emit
+        self._interval_s = interval_s
+        self._history: list[dict[str, float]] = []
+        self._figure_due = False
+        self._first: tuple[int, float] | None = None  # (first epoch shown, its record time)
+        self._started = time.monotonic()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="raylane-recorder", daemon=True)
+        self.error: Exception | None = None  # the outage that stopped the fit
+
+    def __enter__(self) -> RunRecorder:
+        self._started = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _watch(self) -> None:
+        from raylane.tracking.runs import TrackingOutageError
+
+        while not self._stop.wait(self._interval_s):
+            try:
+                self.poll()
+            except TrackingOutageError as outage:
+                self.error = outage
+                signal.raise_signal(signal.SIGINT)  # Ray Train aborts the fit on Ctrl-C
+                return
+            except Exception as exc:  # noqa: BLE001 - a record that cannot be logged: say it
+                log.warning("run record: %s", exc)
+
+    def poll(self) -> None:
+        """Log every record appended since the last poll, in order."""
+        with self._lock:
+            records, self._offset = read_records(self._journal, self._offset)
+            for record in records:
+                self._apply(record)
+            if self._figure_due and not self._stop.is_set():
+                self._log_figure()
+
+    def finish(self) -> None:
+        """After the fit: the records left, the step split figure, then what an outage held
+        back (waiting for the server up to the window; past it, TrackingOutageError)."""
+        self.__exit__()
+        try:
+            self.poll()
+            if self._figure_due:
+                self._log_figure()
+            self._logger.close()
+        finally:
+            if self._monitor is not None:
+                self._monitor.finish()
+
+    def _log_figure(self) -> None:
+        self._figure_due = False
+        self._logger.log_step_split(self._history)
+
+    def _apply(self, record: dict[str, Any]) -> None:
+        kind = record["kind"]
+        if kind == "group":
+            self._logger.log_placement(record["placement"])
+            self._logger.log_code_identity(record["placement"], record["requirements"])
+            self._monitor_driver_node(record["placement"])
+        elif kind == "metrics":
+            self._logger.log(record["metrics"], step=record["step"], at=record["time"])
+        elif kind == "tables":
+            self._logger.log_tables(record["tables"])
+        elif kind == "epoch":
+            epoch, metrics = record["epoch"], record["metrics"]
+            if self._resumed and self._logger.holds(epoch):
+                self._history.append(metrics)  # logged by the driver that was killed
+                return
+            if self._logger.log_epoch(metrics, epoch, record["again"], at=record["time"]):
+                self._history.append(metrics)
+                self._figure_due = True
+                self._logger.log_tables(record["tables"])
+                self._show(epoch, metrics, record["time"])
+
+    def _show(self, epoch: int, metrics: dict[str, float], logged: float) -> None:
+        if self._first is None:
+            self._first = (epoch, logged)
+        per_epoch = None
+        if epoch > self._first[0]:
+            per_epoch = (logged - self._first[1]) / (epoch - self._first[0])
+        elapsed = time.monotonic() - self._started
+        self._emit(format_epoch(epoch, self._epochs, metrics, elapsed, per_epoch))
+
+    def _monitor_driver_node(self, placement: list[dict]) -> None:
+        """Sample this node's system metrics into the run when ranks run on it (once)."""
+        if self._monitor is not None or self._monitor_s <= 0:
+            return
+        if not any(rank["node_id"] == self._driver_node for rank in placement):
+            return
+        from raylane.tracking.system_metrics import node_label, node_monitor
+
+        self._monitor = node_monitor(self._uri, self._run_id, self._monitor_s, node_label())
+        self._monitor.start()
