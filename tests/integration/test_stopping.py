@@ -92,23 +92,23 @@ def test_sigterm_stops_a_training_run_on_a_cluster(ray_cluster, workspace, tmp_p
     import ray
     from ray.util.state import list_actors
 
+    def trainers() -> set[str]:
+        """The Ray Train actors alive on the cluster: a controller and workers per job."""
+        alive = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+        return {a.actor_id for a in alive if a.class_name in ("TrainController", "RayTrainWorker")}
+
+    earlier = trainers()  # other jobs' (this session's finished runs may keep theirs)
     env = {**ray_cluster.client_env, "RAY_ADDRESS": ray_cluster.address}
     log = tmp_path / "train.log"
     overrides = workspace.overrides("training.epochs=200", "tracking.system_metrics_interval_s=0")
     process = _start(["train", "--config", str(REFERENCE), *_sets(overrides)], env, log)
     _wait_for(log, "MLflow run", process, timeout_s=180)
 
-    def trainers() -> list[str]:
-        return [
-            a.class_name
-            for a in list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
-            if a.class_name in ("TrainController", "RayTrainWorker")
-        ]
-
     deadline = time.monotonic() + 120
-    while len(trainers()) < 3 and time.monotonic() < deadline:  # the controller, 2 workers
+    while len(trainers() - earlier) < 3 and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert len(trainers()) == 3, trainers()
+    mine = trainers() - earlier
+    assert len(mine) == 3, mine  # its controller and 2 workers
 
     code, output, _ = _terminate(process, log)
 
@@ -116,7 +116,7 @@ def test_sigterm_stops_a_training_run_on_a_cluster(ray_cluster, workspace, tmp_p
     assert output.rstrip().splitlines()[-1] == "stopped (SIGTERM)", output[-1000:]
     assert "*** SIGTERM received" not in output
     deadline = time.monotonic() + 30
-    while trainers() and time.monotonic() < deadline:  # the job's actors end with its driver
+    while mine & trainers() and time.monotonic() < deadline:  # they end with their driver
         time.sleep(0.5)
-    assert not trainers(), trainers()
+    assert not mine & trainers()
     assert ray.is_initialized()  # the session's cluster itself goes on

@@ -71,7 +71,8 @@ class RunRecorder:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join()
+        if self._thread.ident is not None:  # started
+            self._thread.join()
 
     def _watch(self) -> None:
         from raylane.tracking.runs import TrackingOutageError
