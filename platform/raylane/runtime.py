@@ -52,8 +52,9 @@ def connect_ray(
 @contextlib.contextmanager
 def _sigterm_kept() -> Iterator[None]:
     """Whatever handled SIGTERM before `ray.init` still does after it. Ray installs its own
-    handler (a stack dump, then exit, leaving what Ray started running); the command line's
-    handler stops a command as Ctrl-C does (`raylane.cli.stopping`)."""
+    handler (a C++ stack dump, then exit: a `raylane deploy` stopped so left Serve's HAProxy
+    and Ray's agents running); the command line's handler stops a command as Ctrl-C does
+    (`raylane.cli.stopping`)."""
     main = threading.current_thread() is threading.main_thread()
     before = signal.getsignal(signal.SIGTERM) if main else None
     try:

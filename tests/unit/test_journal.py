@@ -4,10 +4,13 @@ order, with the time rank 0 measured it; a half-written line waits for the next 
 from __future__ import annotations
 
 import json
+import threading
+import time
 from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
+from raylane.tracking.runs import OUTAGE, TrackingOutageError
 from raylane.train.journal import Journal, read_records
 from raylane.train.recorder import RunRecorder
 
@@ -55,7 +58,8 @@ def test_the_recorder_logs_each_record_into_the_run_once(tmp_path):
     recorder = RunRecorder(path, uri, run_id, 2, 60.0, 0.0, emit=lines.append)
     with recorder:
         pass
-    recorder.finish()
+    recorder.draw()
+    recorder.close()
 
     val = client.get_metric_history(run_id, "val_loss")
     assert [(m.step, m.value) for m in val] == [(0, 2.0), (1, 1.5)]
@@ -83,7 +87,25 @@ def test_a_resumed_driver_logs_only_what_its_predecessor_had_not(tmp_path):
     resumed = RunRecorder(path, uri, run_id, 3, 60.0, 0.0, resumed=True, emit=lines.append)
     resumed.poll()
     journal.log_epoch({"val_loss": 1.6}, 2, False, {})
-    resumed.finish()
+    resumed.__exit__()  # the fit ended: what the journal holds now
+    resumed.close()
     history = client.get_metric_history(run_id, "val_loss")
     assert [(m.step, m.value) for m in history] == [(0, 2.0), (1, 1.8), (2, 1.6)]
     assert [line.split("  ")[0] for line in lines] == ["epoch 2/3", "epoch 3/3"]
+
+
+def test_an_outage_past_its_window_is_the_recorders_error_off_the_main_thread(tmp_path):
+    path = tmp_path / "journal.jsonl"
+    Journal(path).log_epoch({"val_loss": 2.0}, 0, False, {})
+    gone = f"sqlite:///{tmp_path / 'missing' / 'mlflow.db'}"  # a store that cannot answer
+    recorder = RunRecorder(path, gone, "run", 1, 0.0, 0.0, emit=print, interval_s=0.05)
+
+    def fit() -> None:  # a library caller's thread: no SIGINT is sent
+        with recorder:
+            time.sleep(1.0)
+
+    caller = threading.Thread(target=fit)
+    caller.start()
+    caller.join()
+    assert isinstance(recorder.error, TrackingOutageError), recorder.error
+    assert OUTAGE in str(recorder.error)

@@ -4,8 +4,9 @@
 SIGTERM is turned into the exception Ctrl-C raises, in the main thread, so the same clean-up
 runs (a Serve app drained and shut down, the Ray this command started stopped) and the command
 ends with one line and exit status 143 (128 + 15, as a process killed by it would). `ray.init`
-installs Ray's own handler (a C++ stack dump, then exit, leaving what Ray started behind), so
-the command line installs raylane's again once Ray is connected.
+installs Ray's own handler (a C++ stack dump, then exit; a `raylane deploy` stopped so left
+Serve's HAProxy and Ray's agents running), so `raylane.runtime.connect_ray` puts back the
+handler that was there before it.
 """
 
 from __future__ import annotations

@@ -2,15 +2,14 @@
 
 Ray points every worker process's stdout and stderr at log files on the worker's node; the
 user's console shows only raylane's progress lines. When the fit ends (also when it fails) the
-driver reads each rank's two files through Ray's state API (wherever the rank ran; its node and
-process are in the run's placement record) and logs them as `logs/rank-N.out` / `.err`
-artifacts of the run, so the details are one click from the run. The workers themselves send
-nothing: a rank that only uploaded its log would import MLflow and open the store for it.
+driver reads each rank's two files (from its own node's log directory, or through Ray's state
+API from the rank's node; rank 0 journals each rank's node and process) and logs them as
+`logs/rank-N.out` / `.err` artifacts of the run, so the details are one click from the run.
+The workers send nothing: a rank that only uploaded its log would import MLflow for it.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -19,29 +18,16 @@ log = logging.getLogger("raylane")
 LOG_DIR = "logs"
 
 
-def keep_worker_logs(client, run_id: str) -> list[str]:
+def keep_worker_logs(client, run_id: str, placement: list[dict]) -> list[str]:
     """Log every rank's console files into the run; returns the artifact paths written.
 
-    The ranks are the last worker group's, as rank 0 recorded them; a run that failed before
-    rank 0 recorded them keeps none. Best effort: what cannot be read is said in one line."""
-    import tempfile
-
-    from ray.util.state import get_log
-
-    from raylane.tracking.runs import PLACEMENT_ARTIFACT
-
-    try:
-        with tempfile.TemporaryDirectory() as directory:
-            path = client.download_artifacts(run_id, PLACEMENT_ARTIFACT, directory)
-            ranks = json.loads(Path(path).read_text())["ranks"]
-    except Exception as exc:  # noqa: BLE001 - no placement record: the group never started
-        log.debug("worker logs: no placement record (%s)", exc)
-        return []
+    `placement`: the last worker group's ranks (node id and process id each). Best effort:
+    what cannot be read is said in one line."""
     written = []
-    for rank in ranks:
+    for rank in placement:
         for suffix in ("out", "err"):
             try:
-                text = "".join(get_log(node_id=rank["node_id"], pid=rank["pid"], suffix=suffix))
+                text = _console_text(rank, suffix)
             except Exception as exc:  # noqa: BLE001 - a node gone with its files: say so, go on
                 log.warning("rank %d's %s log not kept: %s", rank["rank"], suffix, exc)
                 continue
@@ -50,3 +36,26 @@ def keep_worker_logs(client, run_id: str) -> list[str]:
                 client.log_text(run_id, text, artifact)
                 written.append(artifact)
     return written
+
+
+def _console_text(rank: dict, suffix: str) -> str:
+    """A rank's stdout or stderr: read from this node's Ray log directory when the rank ran
+    here, else through Ray's state API from the rank's node (the cluster this driver is
+    connected to, not whichever Ray on this machine started last)."""
+    import ray
+    from ray.util.state import get_log
+
+    context = ray.get_runtime_context()
+    if rank["node_id"] == context.get_node_id():
+        logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+        found = sorted(logs.glob(f"worker-*-{rank['pid']}.{suffix}"))
+        if found:
+            return found[-1].read_text(errors="replace")
+    lines = get_log(
+        address=context.gcs_address,
+        node_id=rank["node_id"],
+        pid=rank["pid"],
+        suffix=suffix,
+        errors="replace",
+    )
+    return "".join(lines)

@@ -183,17 +183,17 @@ def run_training(
             result, metrics = _fit_run(cfg, trainer, recorder, register)
         finally:
             # Each rank's console output, read from Ray's log files while the model is logged.
-            logs = background.submit(_keep_worker_logs, tracking_uri, run_id)
-        context.result()
+            logs = background.submit(_keep_worker_logs, tracking_uri, run_id, recorder.placement)
+        _recorded(context, cfg, tags, resume_run_id, digest, base, tracking_uri, run_id)
         fit_end = time.time()
         if result.checkpoint is None:
             raise RuntimeError(f"run {run_name} ended without a checkpoint")
         phases.split_fit(fit_start, fit_end, marks_from_metrics(result.metrics))
-        # The journal's last records (and what an outage held back) while the model is logged.
-        recorded = background.submit(recorder.finish)
+        drawn = background.submit(recorder.draw)  # the last epochs' step split figure
         registered = _record_model(cfg, result.checkpoint, metrics, register)
         logs.result()
-        _outage_stops(recorded.result)
+        drawn.result()
+        _outage_stops(recorder.close)  # metrics an outage held back, if any
         phases.add("model", time.time() - fit_end)
         mlflow.log_metrics(phases.metrics())
     model_uri, version, promoted, promotion = registered or (None, None, False, "not registered")
@@ -277,13 +277,15 @@ def _tag_run(cfg: RaylaneConfig, tags, resume_run_id, digest: str, base, trackin
         log_base_input(client, run_id, base)
 
 
-def _keep_worker_logs(tracking_uri: str, run_id: str) -> None:
+def _keep_worker_logs(tracking_uri: str, run_id: str, placement: list[dict] | None) -> None:
     from mlflow.tracking import MlflowClient
 
     from raylane.tracking.worker_logs import keep_worker_logs
 
+    if placement is None:  # the worker group never started
+        return
     try:
-        keep_worker_logs(MlflowClient(tracking_uri), run_id)
+        keep_worker_logs(MlflowClient(tracking_uri), run_id, placement)
     except Exception as exc:  # noqa: BLE001 - never mask how the fit ended
         log.warning("worker logs not kept: %s", exc)
 
@@ -342,14 +344,26 @@ def _recorder(cfg: RaylaneConfig, run_name: str, tracking_uri: str, run_id: str,
 
 
 def _outage_stops(call) -> None:
-    """`call()`, with a tracking outage past its window raised as the job's one-line error."""
+    """`call()` failing fast on each try, with a tracking outage past its window raised as
+    the job's one-line error."""
     from raylane.tracking import TrackingError
-    from raylane.tracking.runs import TrackingOutageError
+    from raylane.tracking.runs import TrackingOutageError, fail_fast_tracking
 
     try:
-        call()
+        with fail_fast_tracking():
+            call()
     except TrackingOutageError as outage:
         raise TrackingError(str(outage)) from None
+
+
+def _recorded(context, *tag_run_args) -> None:
+    """The run's context, recorded on a thread during the fit (failing fast there): recorded
+    again here, with MLflow's retries, if that failed."""
+    try:
+        context.result()
+    except Exception as exc:  # noqa: BLE001 - a transient error during the fit
+        log.warning("run context: %s; recording it again", str(exc).splitlines()[0][:200])
+        _tag_run(*tag_run_args)
 
 
 def _fit_run(cfg: RaylaneConfig, trainer, recorder, register: bool):

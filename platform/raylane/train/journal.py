@@ -15,12 +15,15 @@ driver has read everything once `fit()` returns.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 JOURNAL_FILE = "raylane_journal.jsonl"
+
+log = logging.getLogger("raylane")
 
 
 class Journal:
@@ -63,5 +66,10 @@ def read_records(path: Path, offset: int) -> tuple[list[dict[str, Any]], int]:
     except FileNotFoundError:
         return [], offset
     complete = data[: data.rfind(b"\n") + 1]
-    records = [json.loads(line) for line in complete.splitlines() if line.strip()]
+    records = []
+    for line in complete.splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:  # a rank 0 killed mid-line: the next group's records follow it
+            log.warning("%s: a damaged record skipped (%d bytes)", path, len(line))
     return records, offset + len(complete)

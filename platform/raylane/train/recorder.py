@@ -26,8 +26,8 @@ log = logging.getLogger("raylane")
 
 
 class RunRecorder:
-    """Context manager: while open, log the journal's records into the run; `finish()` then
-    logs the rest and waits out an outage (up to its window)."""
+    """Context manager: while open, log the journal's records into the run; after it, `draw()`
+    the step split figure and `close()` (an outage waited out up to its window)."""
 
     def __init__(
         self,
@@ -63,16 +63,30 @@ class RunRecorder:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="raylane-recorder", daemon=True)
         self.error: Exception | None = None  # the outage that stopped the fit
+        self.placement: list[dict] | None = None  # the latest worker group's ranks
+        self._interrupts = False  # whether an outage may stop the fit with SIGINT
 
     def __enter__(self) -> RunRecorder:
         self._started = time.monotonic()
+        # Ray Train aborts a fit on SIGINT where the fit runs on the main thread; elsewhere
+        # (a library caller's thread) the outage ends the job when the fit returns.
+        self._interrupts = threading.current_thread() is threading.main_thread()
         self._thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
+        """Stop reading, take in what the journal holds now (best effort: the fit may have
+        failed) and stop sampling this node."""
         self._stop.set()
         if self._thread.ident is not None:  # started
             self._thread.join()
+        try:
+            self.poll()
+        except Exception as exc:  # noqa: BLE001 - an outage is waited out by `finish`
+            log.debug("run record: %s", exc)
+        if self._monitor is not None:
+            self._monitor.finish()
+            self._monitor = None
 
     def _watch(self) -> None:
         from raylane.tracking.runs import TrackingOutageError
@@ -82,32 +96,40 @@ class RunRecorder:
                 self.poll()
             except TrackingOutageError as outage:
                 self.error = outage
-                signal.raise_signal(signal.SIGINT)  # Ray Train aborts the fit on Ctrl-C
+                if self._interrupts:
+                    signal.raise_signal(signal.SIGINT)  # Ray Train aborts the fit on Ctrl-C
                 return
-            except Exception as exc:  # noqa: BLE001 - a record that cannot be logged: say it
-                log.warning("run record: %s", exc)
 
     def poll(self) -> None:
-        """Log every record appended since the last poll, in order."""
+        """Log every record appended since the last poll, in order. A record that cannot be
+        logged (an artifact during an outage) is said in one line and the rest go on; metrics
+        wait in the logger's buffer, and an outage past its window is raised."""
+        from raylane.tracking.runs import TrackingOutageError
+
+        outage = None
         with self._lock:
             records, self._offset = read_records(self._journal, self._offset)
             for record in records:
-                self._apply(record)
-            if self._figure_due and not self._stop.is_set():
+                try:
+                    self._apply(record)
+                except TrackingOutageError as past_window:  # its metrics are buffered
+                    outage = past_window
+                except Exception as exc:  # noqa: BLE001
+                    log.warning("run record %s not logged: %s", record.get("kind"), exc)
+            if self._figure_due and not self._stop.is_set() and outage is None:
                 self._log_figure()
+        if outage is not None:
+            raise outage
 
-    def finish(self) -> None:
-        """After the fit: the records left, the step split figure, then what an outage held
-        back (waiting for the server up to the window; past it, TrackingOutageError)."""
-        self.__exit__()
-        try:
-            self.poll()
-            if self._figure_due:
-                self._log_figure()
-            self._logger.close()
-        finally:
-            if self._monitor is not None:
-                self._monitor.finish()
+    def draw(self) -> None:
+        """After the fit: the step split figure of the last epochs."""
+        if self._figure_due:
+            self._log_figure()
+
+    def close(self) -> None:
+        """After the fit: what an outage held back, waiting for the server up to the window
+        (past it, TrackingOutageError)."""
+        self._logger.close()
 
     def _log_figure(self) -> None:
         self._figure_due = False
@@ -116,9 +138,10 @@ class RunRecorder:
     def _apply(self, record: dict[str, Any]) -> None:
         kind = record["kind"]
         if kind == "group":
+            self.placement = record["placement"]
+            self._monitor_driver_node(record["placement"])
             self._logger.log_placement(record["placement"])
             self._logger.log_code_identity(record["placement"], record["requirements"])
-            self._monitor_driver_node(record["placement"])
         elif kind == "metrics":
             self._logger.log(record["metrics"], step=record["step"], at=record["time"])
         elif kind == "tables":
