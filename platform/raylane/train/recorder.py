@@ -174,5 +174,7 @@ class RunRecorder:
             return
         from raylane.tracking.system_metrics import node_label, node_monitor
 
+        # MLflow's monitor announces its start and stop on INFO: not for the driver's console.
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
         self._monitor = node_monitor(self._uri, self._run_id, self._monitor_s, node_label())
         self._monitor.start()
