@@ -97,6 +97,9 @@ def _log_dataset_inputs(client: MlflowClient, run_id: str, cfg: RaylaneConfig, d
     client.log_inputs(run_id, datasets=inputs)
 
 
+FAIL_FAST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
+
+
 @contextlib.contextmanager
 def fail_fast_tracking() -> Iterator[None]:
     """MLflow's HTTP calls fail at once while this is open (no retries, 10 s timeout) unless
@@ -111,9 +114,6 @@ def fail_fast_tracking() -> Iterator[None]:
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
-
-
-FAIL_FAST = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 
 
 class TrackingOutageError(RuntimeError):

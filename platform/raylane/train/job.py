@@ -170,7 +170,8 @@ def run_training(
     with mlflow.start_run(**start) as run, ThreadPoolExecutor(2, "raylane-run") as background:
         run_id = run.info.run_id
         log.info("MLflow run %s in %s", run_id, tracking_uri)
-        trainer = _job_trainer(cfg, run_name, tracking_uri, run_id, base)
+        recorder = _recorder(cfg, run_name, tracking_uri, run_id, resume_run_id is not None)
+        trainer = _job_trainer(cfg, run_name, tracking_uri, run_id, recorder, base)
         # The run's context (params, config, cluster snapshot, inputs) is recorded while Ray
         # starts the worker group: nothing in the fit reads it.
         context = background.submit(
@@ -178,7 +179,6 @@ def run_training(
         )
         fit_start = time.time()
         phases.add("run_setup", fit_start - setup_start)
-        recorder = _recorder(cfg, run_name, tracking_uri, run_id, resume_run_id is not None)
         try:
             result, metrics = _fit_run(cfg, trainer, recorder, register)
         finally:
@@ -290,22 +290,23 @@ def _keep_worker_logs(tracking_uri: str, run_id: str, placement: list[dict] | No
         log.warning("worker logs not kept: %s", exc)
 
 
-def _job_trainer(cfg: RaylaneConfig, run_name: str, tracking_uri: str, run_id: str, base=None):
-    """The job's TorchTrainer: its datasets, the MLflow run its workers log to, the driver's
-    code identity (workers running other code are refused) and a fine-tuning run's base
-    weights (in the object store: workers never read the registry)."""
+def _job_trainer(cfg: RaylaneConfig, run_name, tracking_uri, run_id, recorder, base=None):
+    """The job's TorchTrainer: its datasets, the journal rank 0 keeps for the `recorder`, the
+    MLflow run that ranks on other nodes sample their system metrics into, the driver's code
+    identity (workers running other code are refused) and a fine-tuning run's base weights
+    (in the object store: workers never read the registry)."""
     import ray
 
     from raylane.data.ray_datasets import read_datasets
     from raylane.tracking.identity import code_digest, package_dir
-    from raylane.train.trainer import build_trainer, journal_path
+    from raylane.train.trainer import build_trainer
 
     loop_config = {
         "tracking_uri": tracking_uri,
         "run_id": run_id,
-        "journal_path": str(journal_path(cfg, run_name)),
+        "journal_path": str(recorder.journal),  # rank 0 writes what the recorder reads
         # The driver samples its own node's system metrics; ranks sample the other nodes.
-        "driver_node": ray.get_runtime_context().get_node_id(),
+        "driver_node": recorder.driver_node,
         "driver_code": {"code_digest": code_digest(), "code_path": str(package_dir())},
     }
     if base is not None:

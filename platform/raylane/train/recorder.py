@@ -44,13 +44,13 @@ class RunRecorder:
     ):
         from raylane.tracking.runs import EpochLogger
 
-        self._journal = journal
+        self.journal = journal
         self._offset = 0
         self._logger = EpochLogger(tracking_uri, run_id, outage_window_s)
         self._uri, self._run_id = tracking_uri, run_id
         self._epochs = epochs
         self._monitor_s = system_metrics_interval_s
-        self._driver_node = driver_node
+        self.driver_node = driver_node
         self._resumed = resumed  # the journal holds epochs an earlier driver may have logged
         self._monitor = None
         self._emit = emit
@@ -59,7 +59,6 @@ class RunRecorder:
         self._figure_due = False
         self._first: tuple[int, float] | None = None  # (first epoch shown, its record time)
         self._started = time.monotonic()
-        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="raylane-recorder", daemon=True)
         self.error: Exception | None = None  # the outage that stopped the fit
@@ -107,17 +106,16 @@ class RunRecorder:
         from raylane.tracking.runs import TrackingOutageError
 
         outage = None
-        with self._lock:
-            records, self._offset = read_records(self._journal, self._offset)
-            for record in records:
-                try:
-                    self._apply(record)
-                except TrackingOutageError as past_window:  # its metrics are buffered
-                    outage = past_window
-                except Exception as exc:  # noqa: BLE001
-                    log.warning("run record %s not logged: %s", record.get("kind"), exc)
-            if self._figure_due and not self._stop.is_set() and outage is None:
-                self._log_figure()
+        records, self._offset = read_records(self.journal, self._offset)
+        for record in records:
+            try:
+                self._apply(record)
+            except TrackingOutageError as past_window:  # its metrics are buffered
+                outage = past_window
+            except Exception as exc:  # noqa: BLE001
+                log.warning("run record %s not logged: %s", record.get("kind"), exc)
+        if self._figure_due and not self._stop.is_set() and outage is None:
+            self._log_figure()
         if outage is not None:
             raise outage
 
@@ -170,7 +168,7 @@ class RunRecorder:
         """Sample this node's system metrics into the run when ranks run on it (once)."""
         if self._monitor is not None or self._monitor_s <= 0:
             return
-        if not any(rank["node_id"] == self._driver_node for rank in placement):
+        if not any(rank["node_id"] == self.driver_node for rank in placement):
             return
         from raylane.tracking.system_metrics import node_label, node_monitor
 
