@@ -37,11 +37,11 @@ from raylane.config import load_config
 from raylane.data.text import stdlib_source_files, token_windows
 from raylane.models import build_model
 from raylane.models.adapters import adapter_state, apply_lora
+from raylane.models.losses import cross_entropy
 from raylane.models.optim import build_optimizer
 from raylane.parallel.base import StrategyDefaults
 from raylane.parallel.meters import model_state_bytes
 from raylane.parallel.precision import bf16_speed
-from raylane.train.loop import cross_entropy
 
 ROOT = Path(__file__).resolve().parents[1]
 WARMUP = 5  # steps left out of the median (allocator and oneDNN warm-up)

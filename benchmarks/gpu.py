@@ -46,8 +46,9 @@ sys.path[:0] = [str(ROOT / "platform"), str(ROOT / "benchmarks")]
 
 from raylane.models.adapters import apply_lora  # noqa: E402
 from raylane.models.gpt import GPT  # noqa: E402
+from raylane.models.losses import cross_entropy  # noqa: E402
 from raylane.models.optim import build_optimizer  # noqa: E402
-from raylane.parallel.base import StrategyDefaults, cross_entropy  # noqa: E402
+from raylane.parallel.base import StrategyDefaults  # noqa: E402
 from raylane.parallel.device import synchronize  # noqa: E402
 from raylane.parallel.parallelize import apply_compile  # noqa: E402
 from raylane.parallel.precision import apply_matmul_precision  # noqa: E402

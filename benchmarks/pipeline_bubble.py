@@ -32,8 +32,8 @@ def _worker(loop_config: dict) -> list[dict]:
 
     from raylane.config import load_config
     from raylane.models import build_model
+    from raylane.models.losses import cross_entropy
     from raylane.parallel import get_strategy
-    from raylane.train.loop import cross_entropy
 
     rank = ray.train.get_context().get_world_rank()
     torch.set_num_threads(1)

@@ -75,7 +75,7 @@ def measure(epochs: int, steps: int) -> dict:
     import ray
 
     from raylane.data import ensure_dataset
-    from raylane.plan.profile_job import load_or_measure
+    from raylane.profile.job import load_or_measure
     from raylane.tune.candidates import enumerate_candidates, trial_config
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -18,7 +18,8 @@ import grimp
 
 #: The layout and everything that applies or reads it.
 LAYOUT = ["config.dims", "config.layout", "models.gpt_plan", "parallel", "train.loop",
-          "plan.cost", "plan.measured", "plan.search", "tune.candidates"]  # fmt: skip
+          "plan.cost", "plan.measured", "plan.search", "plan.wrapped", "profile.layouts",
+          "tune.candidates"]  # fmt: skip
 
 
 def _selected(module: str, wanted: list[str]) -> bool:

@@ -1,4 +1,5 @@
-"""Connecting to Ray: an address from $RAY_ADDRESS (a cluster) or a local Ray started here."""
+"""Connecting to Ray: an address from $RAY_ADDRESS (a cluster) or a local Ray started here; and
+the torch threads each worker on a node gets (`worker_threads`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from raylane.config import RaylaneConfig
 
 
 def verbose() -> bool:
@@ -69,3 +74,10 @@ def disconnect_ray(started_here: bool) -> None:
 
     if started_here and ray.is_initialized():
         ray.shutdown()
+
+
+def worker_threads(cfg: RaylaneConfig, local_world_size: int) -> int:
+    """torch threads for one worker: the node's cores shared by the workers on it."""
+    if cfg.parallelism.torch_threads:
+        return cfg.parallelism.torch_threads
+    return max(1, (os.cpu_count() or 1) // max(1, local_world_size))

@@ -238,7 +238,7 @@ def lm_profile(ray_cluster, workspace) -> MeasuredProfile:
     over 1 and 2 workers of `lm_pipeline.yaml` profiles (the same key), so such a search
     reuses it."""
     from raylane.config import load_config
-    from raylane.plan.profile_job import load_or_measure
+    from raylane.profile.job import load_or_measure
 
     cfg = load_config(
         ROOT / "configs" / "train" / "lm_pipeline.yaml",

@@ -215,8 +215,8 @@ def _layout_worker(config, batches):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from raylane.config import RaylaneConfig
+    from raylane.models.losses import cross_entropy
     from raylane.parallel import get_strategy
-    from raylane.train.loop import cross_entropy
 
     cfg = RaylaneConfig.model_validate(config)
     rank = ray.train.get_context().get_world_rank()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from mlflow.tracking import MlflowClient
 
-from raylane.plan.profile_job import load_or_measure, measured_cluster, profile_key
+from raylane.profile.job import load_or_measure, measured_cluster, profile_key
 
 
 def test_profile_measures_once_then_is_reused(lm_profile, workspace):

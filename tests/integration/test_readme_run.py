@@ -265,11 +265,13 @@ class TestOnARunningCluster:
             ]
         assert len(statuses) == 5 and 2 <= statuses.count("not run") <= 4, statuses
         tune_output = " ".join(run.command("raylane tune").output.split())  # lines wrap
-        assert re.search(r"predictions: profile run [0-9a-f]{32}, step work x[\d.]+", tune_output)
+        used = re.search(r"predictions: profile run ([0-9a-f]{32}), step work x[\d.]+", tune_output)
+        assert used, tune_output[-3000:]
 
+        # The search's profile shown on its own: the run the search measured, read back.
         profile = run.command("raylane profile").output
         assert "one block, forward + backward" in profile and "all-reduce" in profile, profile
-        assert re.search(r"MLflow run [0-9a-f]{32}", profile)
+        assert "(reused)" in profile and f"MLflow run {used[1]}" in profile, profile
 
     def test_reproducibility_block(self, on_cluster):
         copy, env, _ = on_cluster

@@ -16,9 +16,9 @@ import torch
 
 from raylane.config import load_config
 from raylane.models.gpt import GPT
+from raylane.models.losses import cross_entropy
 from raylane.parallel.meters import ActivationMeter
 from raylane.parallel.parallelize import parallelize
-from raylane.train.loop import cross_entropy
 from tests.unit.test_config import ROOT
 
 LM = ROOT / "configs" / "train" / "lm_pipeline.yaml"

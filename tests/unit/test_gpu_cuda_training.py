@@ -23,8 +23,9 @@ import torch
 import torch.distributed as dist
 
 from raylane.models.gpt import GPT
+from raylane.models.losses import cross_entropy
 from raylane.models.optim import build_optimizer
-from raylane.parallel.base import StrategyDefaults, cross_entropy
+from raylane.parallel.base import StrategyDefaults
 from raylane.parallel.device import all_reduce_scalars, collective_device
 from raylane.parallel.parallelize import apply_compile
 from raylane.parallel.precision import apply_matmul_precision

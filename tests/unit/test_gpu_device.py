@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from raylane.models.losses import cross_entropy
 from raylane.parallel import device as placement
 from raylane.parallel.device import (
     CPU,
@@ -147,7 +148,7 @@ def test_evaluation_keeps_its_sums_on_the_device_with_the_numbers_of_host_sums(m
     with torch.no_grad():
         for inputs, targets in batches:
             outputs = model(inputs)
-            loss_sum += loop.cross_entropy(outputs, targets).item() * targets.numel()
+            loss_sum += cross_entropy(outputs, targets).item() * targets.numel()
             correct += (outputs.argmax(dim=-1) == targets).sum().item()
             count += targets.numel()
     assert (loss, accuracy) == (loss_sum / count, correct / count)

@@ -20,8 +20,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from raylane.models.gpt import GPT
 from raylane.models.gpt_plan import block_plan
+from raylane.models.losses import cross_entropy
 from raylane.models.optim import build_optimizer, param_groups
-from raylane.train.loop import cross_entropy
 
 LR, DECAY = 1e-2, 0.1
 

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from raylane.config import load_config
+from raylane.models.losses import cross_entropy
 from raylane.plan.cost import Layout, Workload, predict
 from raylane.plan.hardware import Cluster, ClusterSpec, load_cluster
 from raylane.plan.measured import predict_config
 from raylane.plan.memory import GPTShape
-from raylane.plan.profile import _parts, _saved_bytes_per_row
 from raylane.plan.search import config_overrides, plan
-from raylane.train.loop import cross_entropy
+from raylane.profile.worker import _parts, _saved_bytes_per_row
 from raylane.tune.candidates import enumerate_candidates
 from raylane.tune.predicted import rank_with_profile
 from raylane.tune.report import write_best_config

@@ -15,10 +15,10 @@ from raylane.config import ConfigError, load_config
 from raylane.config.loader import flatten
 from raylane.config.schema import ModelConfig
 from raylane.models import build_model
+from raylane.models.losses import cross_entropy
 from raylane.parallel.base import StrategyDefaults
 from raylane.parallel.precision import autocast_method, bf16_speed, cpu_bf16_flags
 from raylane.plan.measured import predict_config
-from raylane.train.loop import cross_entropy
 from tests.readme_blocks import ROOT
 
 from .test_plan_measured import PROFILE

@@ -1,7 +1,7 @@
 """Which blocks the profile times as the sharded layouts wrap them, and on which workers."""
 
 from raylane.config.dims import ParallelDims
-from raylane.plan.profile_layouts import wrap_dims, wrap_name
+from raylane.plan.wrapped import wrap_dims, wrap_name
 
 
 def test_a_level_times_the_sharded_blocks_of_its_layouts_on_its_first_workers():

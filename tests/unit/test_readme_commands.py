@@ -18,7 +18,7 @@ import typer.main
 
 from raylane.cli import app
 from raylane.config import load_config
-from raylane.tune.spec import load_spec
+from raylane.tune.spec import is_search_spec, load_spec
 from tests.readme_blocks import ROOT, read_blocks, split_command, usage_lines
 
 BLOCKS = read_blocks()
@@ -85,7 +85,7 @@ def _raylane(argv: list[str], where: str) -> None:
     if config is None:
         return
     assert (ROOT / config).is_file(), f"{where}: {config} does not exist"
-    if name == "tune":
+    if name == "tune" or (name == "profile" and is_search_spec(ROOT / config)):
         load_spec(ROOT / config, sets)
     else:
         load_config(ROOT / config, sets)

@@ -4,7 +4,8 @@ import pytest
 
 from raylane.config import ConfigError
 from raylane.tune.candidates import enumerate_candidates, trial_config
-from raylane.tune.spec import TuneSpec, load_spec
+from raylane.tune.predicted import profile_input
+from raylane.tune.spec import TuneSpec, is_search_spec, load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -181,3 +182,14 @@ def test_context_and_sequence_parallel_layouts_are_searched_where_they_run():
     assert (cfg.parallelism.cp, cfg.parallelism.tp, cfg.parallelism.sequence_parallel) == (
         2, 2, True,
     )  # fmt: skip
+
+
+def test_the_profile_of_a_search_is_its_widest_layout_at_each_worker_count():
+    shipped = ROOT / "configs" / "tune" / "parallelism.yaml"
+    assert is_search_spec(shipped)
+    assert not is_search_spec(ROOT / "configs" / "train" / "lm_pipeline.yaml")
+    spec = load_spec(shipped)
+    valid, _ = enumerate_candidates(spec)
+    base, levels = profile_input(spec, valid)
+    assert levels == [1, 2, 4]
+    assert base.parallelism.workers == 4 and base.data.max_bytes == 131072  # base_overrides

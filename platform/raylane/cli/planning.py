@@ -10,7 +10,6 @@ from rich.console import Console
 
 from raylane.cli.common import (
     DEFAULT_CONFIG,
-    ConfigOption,
     SetOption,
     VerboseOption,
     app,
@@ -186,7 +185,15 @@ def _resolve_cost_terms(cfg, work, epoch_tokens, restart_s, checkpoint_s) -> tup
 
 @app.command("profile")
 def profile_cluster(
-    config: ConfigOption = DEFAULT_CONFIG,
+    config: Annotated[
+        Path,
+        typer.Option(
+            "--config",
+            "-c",
+            help="Training config YAML, or a search spec (configs/tune/): then what the search "
+            "profiles.",
+        ),
+    ] = DEFAULT_CONFIG,
     overrides: SetOption = None,
     refresh: Annotated[
         bool, typer.Option(help="Measure again even if this model and cluster were profiled.")
@@ -199,19 +206,39 @@ def profile_cluster(
     Example: raylane profile --config configs/train/lm_pipeline.yaml
     """
     setup_logging(verbose)
-    from raylane.plan.profile_job import load_or_measure
+    from raylane.profile.job import load_or_measure
     from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
 
-    cfg = load(config, overrides)
+    cfg, levels, tracking_uri = _what_to_profile(config, overrides)
     if cfg.model.kind != "gpt":
         raise fail(f"model.kind must be 'gpt' to profile its blocks, not '{cfg.model.kind}'")
-    tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
+    tracking_uri = resolve_tracking_uri(tracking_uri)
     with user_mistakes():
         check_tracking_reachable(tracking_uri)
     with on_ray():
-        found, run_id, reused = load_or_measure(cfg, tracking_uri, refresh)
+        found, run_id, reused = load_or_measure(cfg, tracking_uri, refresh, concurrency=levels)
     from raylane.plan.report import render_profile
 
     out = Console()
     render_profile(found, reused, out)
     out.print(f"MLflow run {run_id}", highlight=False)
+
+
+def _what_to_profile(config: Path, overrides: list[str] | None):
+    """A training config at its own worker count, or a search spec's widest layout at each of
+    its worker counts (the profile `raylane tune` measures, so the search then reuses it)."""
+    from raylane.tune.spec import is_search_spec
+
+    if not is_search_spec(config):
+        cfg = load(config, overrides)
+        return cfg, None, cfg.tracking.tracking_uri
+    from raylane.tune.candidates import enumerate_candidates
+    from raylane.tune.predicted import profile_input
+    from raylane.tune.spec import load_spec
+
+    with user_mistakes():
+        spec = load_spec(config, overrides or [])
+        candidates, _ = enumerate_candidates(spec)
+        if not candidates:
+            raise fail(f"{config}: no valid layout to profile")
+        return (*profile_input(spec, candidates), spec.tracking_uri)

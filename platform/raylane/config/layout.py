@@ -7,19 +7,50 @@ Ray starts.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from raylane.config.dims import ParallelDims
 
 if TYPE_CHECKING:
-    from raylane.config.schema import RaylaneConfig
+    from raylane.config.parallelism import ParallelismConfig
+
+
+class ModelShape(Protocol):
+    """The `model:` values the layout rules read."""
+
+    kind: str
+    input_dim: int
+    num_classes: int
+    n_heads: int
+    n_layers: int
+
+
+class TrainingOptions(Protocol):
+    """The `training:` values the layout rules read."""
+
+    batch_size: int
+    activation_checkpointing: bool
+    precision: str
+    compile: bool
+    checkpoint_every_steps: int | None
+
+
+class LayoutConfig(Protocol):
+    """What the layout rules read of a run configuration: its `parallelism:` section, model
+    and training values, and whether it fine-tunes. A whole run configuration is one."""
+
+    parallelism: ParallelismConfig
+    model: ModelShape
+    training: TrainingOptions
+    finetune: object | None
+
 
 PIPELINED = ("pipeline", "hybrid")
 DATA_PARALLEL = ("ddp", "local_sgd", "async", "ssp")
 SHARDED = ("tp", "fsdp")
 
 
-def replicas(cfg: RaylaneConfig) -> int:
+def replicas(cfg: LayoutConfig) -> int:
     """How many data-parallel workers (each reading different batches) a layout has."""
     return ParallelDims.from_parallelism(cfg.parallelism).dp
 
@@ -32,7 +63,7 @@ def stage_boundaries(n_layers: int, pp: int, split_points: list[int] | None) -> 
     return [0, *points, n_layers]
 
 
-def describe_stages(cfg: RaylaneConfig) -> list[str]:
+def describe_stages(cfg: LayoutConfig) -> list[str]:
     """One line per pipeline stage naming what it holds, e.g. 'stage 0: embeddings, blocks 0-1'.
 
     A single line for unpipelined strategies."""
@@ -61,7 +92,7 @@ def describe_stages(cfg: RaylaneConfig) -> list[str]:
     return lines
 
 
-def _describe_sharded(cfg: RaylaneConfig) -> str:
+def _describe_sharded(cfg: LayoutConfig) -> str:
     par, dp = cfg.parallelism, replicas(cfg)
     parts = []
     if par.tp > 1:
@@ -78,7 +109,7 @@ def _describe_sharded(cfg: RaylaneConfig) -> str:
     return "; ".join(parts)
 
 
-def _check_sharded(cfg: RaylaneConfig) -> None:
+def _check_sharded(cfg: LayoutConfig) -> None:
     par = cfg.parallelism
     if par.pp != 1 and par.strategy == "fsdp":  # pp x fsdp: every stage sharded over dp
         _check_pipelined(cfg)
@@ -106,7 +137,7 @@ def _check_sharded(cfg: RaylaneConfig) -> None:
         raise ValueError(f"parallelism: {factors} = {par.dp * split} but workers is {par.workers}")
 
 
-def check_layout(cfg: RaylaneConfig) -> None:
+def check_layout(cfg: LayoutConfig) -> None:
     """Raise ValueError naming the first impossible combination of `cfg`'s layout: its options
     (compression, stragglers, tp), then the rules of its kind of strategy."""
     _check_options(cfg)
@@ -121,7 +152,7 @@ def check_layout(cfg: RaylaneConfig) -> None:
         _check_pipelined(cfg)
 
 
-def _check_elastic(cfg: RaylaneConfig) -> None:
+def _check_elastic(cfg: LayoutConfig) -> None:
     """An elastic worker range: a data-parallel layout whose workers agree after every step
     (DDP's replicas, or FSDP's shards, which a checkpoint re-shards onto any count), and a
     global batch every size in the range splits evenly."""
@@ -153,7 +184,7 @@ def _check_elastic(cfg: RaylaneConfig) -> None:
         )
 
 
-def _check_compression(par) -> None:
+def _check_compression(par: ParallelismConfig) -> None:
     """Gradient compression compresses what replicas all-reduce: DDP's buckets (every scheme)
     or a tensor-parallel model's replicas' flat gradient (every scheme but PowerSGD, which
     needs DDP's buckets)."""
@@ -182,7 +213,7 @@ def _check_compression(par) -> None:
         )
 
 
-def _check_options(cfg: RaylaneConfig) -> None:
+def _check_options(cfg: LayoutConfig) -> None:
     par = cfg.parallelism
     if cfg.training.activation_checkpointing and cfg.model.kind != "gpt":
         raise ValueError(
@@ -240,7 +271,7 @@ def _check_options(cfg: RaylaneConfig) -> None:
         )
 
 
-def _check_context(cfg: RaylaneConfig) -> None:
+def _check_context(cfg: LayoutConfig) -> None:
     """Context parallelism: a gpt's sequences split over `cp` workers of a ddp or tp layout."""
     par = cfg.parallelism
     if par.strategy not in ("ddp", "tp") or par.pp != 1:
@@ -259,7 +290,7 @@ def _check_context(cfg: RaylaneConfig) -> None:
         raise ValueError("parallelism.cp is not available for fine-tuning runs yet")
 
 
-def _check_data_parallel(cfg: RaylaneConfig) -> None:
+def _check_data_parallel(cfg: LayoutConfig) -> None:
     par = cfg.parallelism
     replicas = par.workers // par.cp
     if par.workers % par.cp:
@@ -272,7 +303,7 @@ def _check_data_parallel(cfg: RaylaneConfig) -> None:
         )
 
 
-def _check_pipelined(cfg: RaylaneConfig) -> None:
+def _check_pipelined(cfg: LayoutConfig) -> None:
     par = cfg.parallelism
     if cfg.model.kind != "gpt":
         raise ValueError(
@@ -308,7 +339,7 @@ def _check_pipelined(cfg: RaylaneConfig) -> None:
     _check_split(cfg)
 
 
-def _check_split(cfg: RaylaneConfig) -> None:
+def _check_split(cfg: LayoutConfig) -> None:
     """The blocks divide evenly over the stages, or `split_points` says where to cut."""
     par, n_layers = cfg.parallelism, cfg.model.n_layers
     if par.split_points is None:

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from raylane.config.finetune import FINETUNE_STRATEGIES, FinetuneConfig
+from raylane.config.layout import check_layout
 from raylane.config.parallelism import ParallelismConfig, StragglerConfig, Strategy
 from raylane.config.serving import AutoscalingConfig, GenerationConfig, ServingConfig
 from raylane.config.strict import StrictModel
@@ -255,8 +256,6 @@ class RaylaneConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_parallel_layout(self) -> RaylaneConfig:
-        from raylane.config.layout import check_layout
-
         check_layout(self)
         return self
 

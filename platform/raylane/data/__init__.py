@@ -1,6 +1,7 @@
 """Datasets: preparation to Parquet, checks, digests, and Ray Data loading."""
 
-from raylane.data.parquet import DataError, check_parquet, dataset_digest, ensure_dataset
+from raylane.data.errors import DataError
+from raylane.data.parquet import check_parquet, dataset_digest, ensure_dataset
 from raylane.data.prepare import prepare_digits
 
 __all__ = ["DataError", "check_parquet", "dataset_digest", "ensure_dataset", "prepare_digits"]

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from raylane.config import RaylaneConfig
+from raylane.data.parquet import read_rows
 
 
 @dataclass
@@ -34,7 +35,7 @@ class MemorySplit:
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         """The arrays, fetched once per process (read-only views of the object store)."""
         if self._arrays is None:
-            import ray
+            import ray  # lazy: Ray is heavy, and memory_batches (and its tests) run without it
 
             self._arrays = (ray.get(self.features_ref), ray.get(self.labels_ref))
         return self._arrays
@@ -46,9 +47,7 @@ class MemorySplit:
 
 def put_split(name: str, path: Path, cfg: RaylaneConfig) -> MemorySplit:
     """Read a Parquet split in the driver and put its arrays in Ray's object store."""
-    import ray
-
-    from raylane.data.parquet import read_rows
+    import ray  # lazy: Ray is heavy, and memory_batches (and its tests) run without it
 
     features, labels = read_rows(path, cfg)
     return MemorySplit(name, len(labels), ray.put(features), ray.put(labels))
@@ -72,7 +71,7 @@ def memory_batches(
     batch is split the same way; it is dropped with `drop_last`, or when it has fewer rows than
     there are parts (every data-parallel replica must take the same number of steps).
     """
-    import torch
+    import torch  # lazy: torch is heavy and the driver reads splits without it
 
     if not 0 <= part < parts:
         raise ValueError(f"part {part} of {parts}: must be in 0..{parts - 1}")

@@ -13,10 +13,9 @@ import pyarrow.parquet as pq
 
 from raylane.config import RaylaneConfig
 from raylane.console import long_step
-
-
-class DataError(ValueError):
-    """A dataset problem, worded as one line that names the file and the column."""
+from raylane.data.errors import DataError
+from raylane.data.prepare import prepare_digits
+from raylane.data.text import prepare_stdlib_text
 
 
 @dataclass(frozen=True)
@@ -129,13 +128,9 @@ def ensure_dataset(cfg: RaylaneConfig) -> tuple[DatasetInfo, DatasetInfo]:
     data = cfg.data
     missing = [p for p in (data.train_path, data.validation_path) if not parquet_files(p)]
     if missing and data.source == "sklearn-digits":
-        from raylane.data.prepare import prepare_digits
-
         with long_step("preparing the digits dataset"):
             prepare_digits(data)
     elif missing and data.source in ("python-stdlib", "python-stdlib-tests"):
-        from raylane.data.text import prepare_stdlib_text
-
         with long_step("preparing the standard-library text dataset"):
             prepare_stdlib_text(cfg)
     elif missing:

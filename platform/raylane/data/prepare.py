@@ -46,6 +46,7 @@ def write_split(path: Path, features: np.ndarray, labels: np.ndarray, cfg: DataC
 
 def prepare_digits(cfg: DataConfig) -> tuple[PreparedSplit, PreparedSplit]:
     """Split the digits deterministically (stratified, `cfg.split_seed`) and write both splits."""
+    # lazy: scikit-learn is heavy and only the digits dataset needs it
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from raylane.config import RaylaneConfig
+from raylane.data.memory import put_split
 
 # Splits up to this size (on disk) are fed from memory under `data.feed: auto`.
 MEMORY_FEED_BYTES = 64 * 2**20
@@ -30,12 +34,8 @@ def read_datasets(cfg: RaylaneConfig) -> dict:
     """
     splits = (("train", cfg.data.train_path), ("validation", cfg.data.validation_path))
     if uses_memory_feed(cfg):
-        from raylane.data.memory import put_split
-
         return {name: put_split(name, Path(path).resolve(), cfg) for name, path in splits}
-    import logging
-
-    import ray.data
+    import ray.data  # lazy: Ray Data is heavy and the memory feed does without it
 
     # Ray Data logs every execution at INFO in the driver; keep the console readable.
     logging.getLogger("ray.data").setLevel(logging.WARNING)
@@ -47,8 +47,6 @@ def read_datasets(cfg: RaylaneConfig) -> dict:
             # Small enough to read here: one Arrow table put in the object store is already
             # materialised, without read tasks (each a worker process importing Ray Data,
             # pandas and pyarrow: seconds on a small machine, for milliseconds of reading).
-            import pyarrow.parquet as pq
-
             datasets[name] = ray.data.from_arrow(pq.read_table(path, columns=columns))
             continue
         dataset = ray.data.read_parquet(str(path), columns=columns)

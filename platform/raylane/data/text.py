@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 
 from raylane.config import RaylaneConfig
+from raylane.data.errors import DataError
+from raylane.data.prepare import write_split
 
 MANIFEST = "manifest.json"
 
@@ -34,8 +36,6 @@ def stdlib_source_files(max_bytes: int, source: str = "python-stdlib") -> list[P
         chosen.append(path)
         total += size
     if not chosen:
-        from raylane.data.parquet import DataError
-
         hint = " (this Python ships without its test suite: install it, e.g. Debian's "
         hint += "libpython3-testsuite, or use data.source: parquet)" if "test" in source else ""
         raise DataError(f"data.source '{source}': no {SOURCES[source]} under {root}{hint}")
@@ -54,8 +54,6 @@ def token_windows(data: bytes, context_length: int) -> tuple[np.ndarray, np.ndar
 
 def prepare_stdlib_text(cfg: RaylaneConfig) -> tuple[int, int]:
     """Write train/validation windows of the stdlib source as Parquet plus a manifest."""
-    from raylane.data.prepare import write_split
-
     data = cfg.data
     files = stdlib_source_files(data.max_bytes, data.source)
     text = b"".join(path.read_bytes() for path in files)

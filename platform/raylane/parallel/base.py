@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn import Module
-from torch.nn import functional as F
 from torch.optim import Optimizer
 
 from raylane.parallel.device import CPU, to_device, worker_device
@@ -26,13 +25,6 @@ from raylane.parallel.parallelize import parallelize
 from raylane.parallel.precision import autocast
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """The loss every strategy's step takes: cross-entropy over the outputs' last dimension,
-    which covers classification (`[B, C]` vs `[B]`) and language modelling (`[B, T, V]` vs
-    `[B, T]`)."""
-    return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
 
 
 class ParallelStrategy(Protocol):

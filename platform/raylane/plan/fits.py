@@ -1,5 +1,5 @@
 """Straight lines fitted to what the profile measured: compute as fixed + per-row seconds, links
-as alpha + beta * bytes (`raylane.plan.profile`; read back by `raylane.plan.measured`)."""
+as alpha + beta * bytes (`raylane.profile.worker`; read back by `raylane.plan.measured`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Step time and peak worker memory of a runnable config, predicted from a profile of the
-cluster it will run on (`raylane.plan.profile`).
+cluster it will run on (`raylane.profile`).
 
 The catalog model (`raylane.plan.cost`) reasons in FLOPs and data-sheet bandwidths; this one
 composes measured seconds, which is what small models on shared cores need: per-op overhead,
@@ -10,7 +10,7 @@ sum of the same measured parts:
   checkpointing) at the rows each worker computes, the ends (embeddings, head, loss), and the
   optimizer step over the parameters the worker holds. A tensor-parallel or FSDP layout's
   blocks are the profile's own timing of a block as that layout wraps it
-  (`raylane.plan.profile_layouts`: DTensor's dispatch, FSDP's hooks and the collectives
+  (`raylane.profile.layouts`: DTensor's dispatch, FSDP's hooks and the collectives
   inside forward and backward included), where the profile has one of its shape;
 * the pipeline schedule: m micro-batches through the slowest stage plus one pass of the
   others (the fill and drain bubble), and the activation sends between stages;
@@ -57,8 +57,8 @@ from dataclasses import dataclass
 
 from raylane.config import RaylaneConfig
 from raylane.config.dims import ParallelDims
-from raylane.plan.profile_layouts import wrap_name
 from raylane.plan.ring import attention_core_share, exposed_ring_s, kv_block_bytes, ring_passes
+from raylane.plan.wrapped import wrap_name
 
 _FP32 = 4  # bytes of an activation or gradient element
 _STATE_BYTES_PER_PARAM = {"adamw": 4 + 4 + 8, "sgd": 4 + 4}
@@ -185,7 +185,7 @@ class _Shape:
     params_held: float
     block_params_held: float  # of one block
     activation_bytes: float  # one block's input for `rows` rows
-    #: The profile's fit of a block as this layout wraps it (`raylane.plan.profile_layouts`),
+    #: The profile's fit of a block as this layout wraps it (`raylane.profile.layouts`),
     #: collectives inside forward and backward included; None: the plain block's fits.
     wrapped: dict | None = None
 
@@ -215,7 +215,7 @@ class _Shape:
 
 
 def _wrapped_fit(level: dict, dims: ParallelDims) -> dict | None:
-    """The profiled block of this layout's shape (`raylane.plan.profile_layouts`): tensor
+    """The profiled block of this layout's shape (`raylane.profile.layouts`): tensor
     parallel over 2 workers, FSDP, or both, with every worker of the level computing; None for
     other layouts and for profiles without it."""
     name = wrap_name(dims)

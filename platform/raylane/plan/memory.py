@@ -26,7 +26,7 @@ class StateBytes:
 
 #: fp16 weights and gradients, fp32 Adam (ZeRO's K = 12).
 MIXED_PRECISION_ADAM = StateBytes(param=2, grad=2, optimizer=12)
-#: fp32 weights, gradients and Adam's two moments: what raylane trains with on CPU.
+#: fp32 weights, gradients and Adam's two moments: what raylane's CPU runs train with.
 FP32_ADAM = StateBytes(param=4, grad=4, optimizer=8)
 
 

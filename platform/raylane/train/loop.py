@@ -24,12 +24,13 @@ import torch.distributed as dist
 from raylane.config import RaylaneConfig
 from raylane.data.memory import MemorySplit, memory_batches
 from raylane.models import build_model
+from raylane.models.losses import cross_entropy
 from raylane.models.optim import build_optimizer
 from raylane.parallel import get_strategy
-from raylane.parallel.base import cross_entropy
 from raylane.parallel.device import all_reduce_scalars, synchronize, to_device
 from raylane.parallel.meters import ActivationMeter, worker_memory
 from raylane.parallel.precision import apply_matmul_precision
+from raylane.runtime import worker_threads
 from raylane.tracking.step_times import StepTimes, step_metrics
 from raylane.train.batches import iter_torch_batches
 from raylane.train.checkpointing import (
@@ -47,13 +48,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def worker_threads(cfg: RaylaneConfig, local_world_size: int) -> int:
-    """torch threads for one worker: the node's cores shared by the workers on it."""
-    if cfg.parallelism.torch_threads:
-        return cfg.parallelism.torch_threads
-    return max(1, (os.cpu_count() or 1) // max(1, local_world_size))
 
 
 MAX = dist.ReduceOp.MAX

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ray.tune.search import Searcher
 
-from raylane.config import ConfigError
+from raylane.config import ConfigError, RaylaneConfig
 from raylane.plan.measured import LocalPrediction, ProfileMismatch, predict_config
 from raylane.tune.calibration import METRIC, Calibration, measured_calibration, pooled
 from raylane.tune.candidates import Candidate, Pruned, trial_config
@@ -30,11 +30,8 @@ class Ranking:
     profile_s: float
 
 
-def rank_candidates(spec: TuneSpec, candidates: list[Candidate]) -> Ranking:
-    """Profile (or reuse the profile), then rank; expects Ray to be connected."""
-    from raylane.plan.profile_job import load_or_measure
-    from raylane.tracking import resolve_tracking_uri
-
+def profile_input(spec: TuneSpec, candidates: list[Candidate]) -> tuple[RaylaneConfig, list[int]]:
+    """What the search profiles: its widest candidate's config, at each of its worker counts."""
     widest = max(candidates, key=lambda c: c.overrides["parallelism.workers"])
     base = trial_config(spec, widest)
     if base.model.kind != "gpt":
@@ -42,7 +39,15 @@ def rank_candidates(spec: TuneSpec, candidates: list[Candidate]) -> Ranking:
             f"predict.enabled needs a GPT base model (model.kind is '{base.model.kind}'): "
             "set predict.enabled=false to measure every layout"
         )
-    levels = sorted({c.overrides["parallelism.workers"] for c in candidates})
+    return base, sorted({c.overrides["parallelism.workers"] for c in candidates})
+
+
+def rank_candidates(spec: TuneSpec, candidates: list[Candidate]) -> Ranking:
+    """Profile (or reuse the profile), then rank; expects Ray to be connected."""
+    from raylane.profile.job import load_or_measure
+    from raylane.tracking import resolve_tracking_uri
+
+    base, levels = profile_input(spec, candidates)
     started = time.perf_counter()
     log.info("profiling the model at %s workers at a time (reused when already measured)", levels)
     profile, run_id, reused = load_or_measure(

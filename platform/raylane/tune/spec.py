@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
 from pydantic import Field, model_validator
 
 from raylane.config import ConfigError, load_config
@@ -142,6 +143,16 @@ class TuneSpec(StrictModel):
     tracking_uri: str | None = Field(
         None, description="MLflow tracking URI (default as for training)."
     )
+
+
+def is_search_spec(path: str | Path) -> bool:
+    """Whether a YAML file is a search spec (it names a `base` config and a `search`), not a
+    training config."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return False  # the training config loader says what is wrong with it
+    return isinstance(data, dict) and "base" in data and "search" in data
 
 
 def load_spec(path: str | Path, overrides: list[str] | None = None) -> TuneSpec:

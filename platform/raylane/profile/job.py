@@ -61,7 +61,7 @@ def measure(cfg: RaylaneConfig, levels: list[int]) -> dict[str, Any]:
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from raylane.plan.profile import profile_worker
+    from raylane.profile.worker import profile_worker
     from raylane.train.trainer import prompt_health_checks
 
     prompt_health_checks()

@@ -15,7 +15,7 @@ sharing a node's cores are measured sharing them:
 * torch's pipeline schedules (GPipe and 1F1B) between ranks 0 and 1 on a one-layer stage at a
   few micro-batch counts: the schedule's own cost per micro-batch (sends, receives, its Python);
 * one block as each sharded layout of `k` workers wraps it (tensor parallel, FSDP, both), built
-  by the runs' own `parallelize` and timed at the same row counts (`raylane.plan.profile_layouts`);
+  by the runs' own `parallelize` and timed at the same row counts (`raylane.profile.layouts`);
 * a push of the model's gradients to a parameter shard (the async and ssp strategies' own
   actor) and the parameters' return, all `k` workers pushing at once.
 
@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from raylane.plan.fits import block_train_flops, compute_fit, link_fit
-from raylane.plan.profile_layouts import (
+from raylane.profile.layouts import (
     build_meshes,
     start_param_server,
     time_ddp,
@@ -45,7 +45,7 @@ from raylane.plan.profile_layouts import (
     time_schedules,
     time_wrapped_blocks,
 )
-from raylane.plan.profile_links import time_all_reduce, time_p2p
+from raylane.profile.links import time_all_reduce, time_p2p
 
 ROWS = (2, 8, 32)
 MICROBATCHES = (2, 8)
@@ -105,7 +105,7 @@ def _parts(cfg):
 def _time_compute(cfg, median_s, device, sync=None) -> dict[str, dict[int, float]]:
     import torch
 
-    from raylane.train.loop import cross_entropy
+    from raylane.models.losses import cross_entropy
 
     m = cfg.model
     block, ends = (part.to(device) for part in _parts(cfg))
@@ -184,7 +184,7 @@ def profile_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     from raylane.config import RaylaneConfig
     from raylane.parallel.device import worker_device
     from raylane.parallel.precision import apply_matmul_precision
-    from raylane.train.loop import worker_threads
+    from raylane.runtime import worker_threads
 
     # The worker group's start-up (its processes importing, Ray Train's controller) holds the
     # cores for the first seconds; measuring then would read several times too slow.
@@ -302,7 +302,7 @@ def summarise(records: list[dict], cfg, device="cpu") -> dict[str, Any]:
     activations autograd saves measured on `device`."""
     import torch
 
-    from raylane.train.loop import cross_entropy
+    from raylane.models.losses import cross_entropy
 
     m = cfg.model
     levels = {
