@@ -62,7 +62,7 @@ def train(cfg, name: str) -> list[dict]:
     from raylane.data.ray_datasets import read_datasets
     from raylane.train.trainer import build_trainer
 
-    result = build_trainer(cfg, read_datasets(cfg), name, {}).fit()
+    result = build_trainer(cfg, read_datasets(cfg), name).fit()
     return sorted((m for _, m in result.best_checkpoints), key=lambda m: m["epoch"])
 
 

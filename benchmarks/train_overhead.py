@@ -153,7 +153,7 @@ def ray_train(cfg, name: str) -> tuple[list[float], dict[str, float]]:
     from raylane.data.ray_datasets import read_datasets
     from raylane.train.trainer import build_trainer
 
-    result = build_trainer(cfg, read_datasets(cfg), name, {}).fit()
+    result = build_trainer(cfg, read_datasets(cfg), name).fit()
     history = sorted((m for _, m in result.best_checkpoints), key=lambda m: m["epoch"])
     split = {k: v for k, v in history[-1].items() if k.startswith("step_")}
     return [m["train_samples_per_s"] for m in history], split

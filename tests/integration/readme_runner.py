@@ -185,7 +185,7 @@ class Background:
                         return
             except OSError:
                 pass
-            time.sleep(1)
+            time.sleep(0.25)
         raise AssertionError(f"{url} not ready after {timeout_s:.0f} s:\n{self.output()[-3000:]}")
 
     def interrupt(self, timeout_s: float = 120) -> int:

@@ -14,7 +14,7 @@ LM = "configs/train/lm_pipeline.yaml"
 
 
 def _dims(config, *overrides):
-    return ParallelDims.from_parallelism(load_config(config, list(overrides)).parallelism)
+    return load_config(config, list(overrides)).parallelism.dims
 
 
 @pytest.mark.parametrize(
@@ -45,7 +45,7 @@ def _dims(config, *overrides):
 )  # fmt: skip
 def test_every_strategy_name_is_a_preset_of_one_layout(config, overrides, degrees, sync):
     cfg = load_config(config, overrides)
-    dims = ParallelDims.from_parallelism(cfg.parallelism)
+    dims = cfg.parallelism.dims
     assert dims.mesh_shape() == degrees
     assert dims.sync == sync
     assert dims.world_size == cfg.parallelism.workers

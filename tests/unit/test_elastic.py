@@ -10,7 +10,6 @@ import torch
 import yaml
 
 from raylane.config import ConfigError, load_config
-from raylane.config.dims import ParallelDims
 from raylane.train.checkpointing import Position, resume_position, save_checkpoint
 from raylane.train.elastic import RunProgress, at_world_size
 from tests.readme_blocks import ROOT
@@ -72,7 +71,7 @@ def test_an_fsdp_run_resizes_with_its_shards():
     for size in (2, 1):
         resized = at_world_size(cfg, size)
         assert resized.training.batch_size * size == cfg.training.batch_size * 2
-        assert ParallelDims.from_parallelism(resized.parallelism).dp_shard == size
+        assert resized.parallelism.dims.dp_shard == size
 
 
 def test_each_size_takes_its_share_of_one_global_batch():

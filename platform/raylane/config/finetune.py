@@ -16,10 +16,6 @@ from pydantic import Field, field_validator
 from raylane.config.model_uri import parse_model_uri
 from raylane.config.strict import StrictModel
 
-#: Layouts a fine-tuning run may use: every worker trains the whole (adapted) model on its
-#: share of the data, its parameters replicated (DDP) or sharded (FSDP2).
-FINETUNE_STRATEGIES = ("ddp", "fsdp")
-
 
 class FinetuneConfig(StrictModel):
     base: str = Field(

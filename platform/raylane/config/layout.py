@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
-from raylane.config.dims import ParallelDims
-
 if TYPE_CHECKING:
     from raylane.config.parallelism import ParallelismConfig
 
@@ -52,7 +50,7 @@ SHARDED = ("tp", "fsdp")
 
 def replicas(cfg: LayoutConfig) -> int:
     """How many data-parallel workers (each reading different batches) a layout has."""
-    return ParallelDims.from_parallelism(cfg.parallelism).dp
+    return cfg.parallelism.dims.dp
 
 
 def stage_boundaries(n_layers: int, pp: int, split_points: list[int] | None) -> list[int]:

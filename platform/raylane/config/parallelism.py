@@ -3,10 +3,12 @@ are `raylane.config.layout`'s)."""
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from raylane.config.dims import ParallelDims
 from raylane.config.strict import StrictModel
 
 
@@ -175,6 +177,12 @@ class ParallelismConfig(StrictModel):
             raise ValueError("give min_workers or workers: {min, max}, not both")
         return {**data, "workers": span["max"], "min_workers": span["min"]}
 
+    @cached_property
+    def dims(self) -> ParallelDims:
+        """The layout this section asks for (its strategy name is a preset), built once per
+        config and handed down: every reader of the degrees reads this one."""
+        return ParallelDims.from_parallelism(self)
+
     @property
     def elastic(self) -> bool:
         """Whether the worker count may change during the run."""
@@ -182,6 +190,7 @@ class ParallelismConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_resources(self) -> ParallelismConfig:
+        self.__dict__.pop("dims", None)  # a field assigned anew: the layout is built again
         if self.min_workers is not None and self.min_workers > self.workers:
             raise ValueError(f"workers: min ({self.min_workers}) is above max ({self.workers})")
         for name, amount in self.resources_per_worker.items():

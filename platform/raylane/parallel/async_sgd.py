@@ -33,7 +33,7 @@ class ParameterServerTraining(WholeModelReplica):
     def __init__(self, cfg: RaylaneConfig, rank: int):
         super().__init__(cfg, rank)
         par = cfg.parallelism
-        self.bound = par.staleness if par.strategy == "ssp" else None
+        self.bound = par.dims.sync.staleness  # None: asynchronous, unbounded
         self.shard_count = par.ps_shards
         self.lr, self.weight_decay = cfg.training.lr, cfg.training.weight_decay
         self.optimizer_kind = cfg.training.optimizer

@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from raylane.config import RaylaneConfig
-from raylane.config.dims import ParallelDims
 from raylane.parallel.base import StrategyDefaults
 from raylane.parallel.collectives import average_gradients
 from raylane.parallel.device import to_device, worker_device
@@ -40,7 +39,7 @@ class MeshParallel(StrategyDefaults):
         self.activation_checkpointing = cfg.training.activation_checkpointing
         self.compile_blocks = cfg.training.compile
         self.precision = cfg.training.precision
-        self.mesh = build_device_mesh(ParallelDims.from_parallelism(par), self.device.type)
+        self.mesh = build_device_mesh(par.dims, self.device.type)
         self.dp, self.tp = self.mesh.dp, self.mesh.tp
         self.dp_rank, self.tp_rank = self.mesh.dp_rank, self.mesh.tp_rank
         self.data_rank, self.data_world = self.dp_rank, self.dp

@@ -24,7 +24,6 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from raylane.config import RaylaneConfig
-from raylane.config.dims import ParallelDims
 from raylane.config.layout import stage_boundaries
 from raylane.parallel.base import LossFn, StrategyDefaults
 from raylane.parallel.collectives import average_gradients
@@ -66,7 +65,7 @@ class PipelineParallel(StrategyDefaults):
         self.precision = cfg.training.precision
         self.schedule_name = par.schedule
         self.device = worker_device(par.use_gpu)
-        self.mesh = build_device_mesh(ParallelDims.from_parallelism(par), self.device.type)
+        self.mesh = build_device_mesh(par.dims, self.device.type)
         self.sharded = self.mesh.dims.fsdp_enabled
         self.stage_index = self.mesh.pp_rank
         self.num_stages = par.pp

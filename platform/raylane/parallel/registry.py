@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from raylane.config import RaylaneConfig
+from raylane.config.parallelism import ParallelismConfig
 from raylane.parallel.base import ParallelStrategy
 
 # Where each strategy lives: a job imports only its own (the FSDP, DTensor and pipelining
@@ -35,11 +36,13 @@ def available_strategies() -> list[str]:
     return sorted(_STRATEGIES)
 
 
-def splits_dataset(name: str, cp: int = 1, elastic: bool = False) -> bool:
-    """Whether Ray Train should shard the datasets across the workers of this strategy (never
+def splits_dataset(par: ParallelismConfig) -> bool:
+    """Whether Ray Train should shard the datasets across the workers of this layout (never
     with context parallelism: a sequence's chunks are read by several workers; never in an
     elastic run: every worker reads the same global batches, whatever their number)."""
-    return cp == 1 and not elastic and _strategy_class(name).splits_dataset
+    return (
+        not par.dims.cp_enabled and not par.elastic and _strategy_class(par.strategy).splits_dataset
+    )
 
 
 def get_strategy(cfg: RaylaneConfig, rank: int) -> ParallelStrategy:
@@ -47,9 +50,7 @@ def get_strategy(cfg: RaylaneConfig, rank: int) -> ParallelStrategy:
 
     The one branch on the layout: with pipeline stages a schedule drives each step (whatever
     else each stage is: replicated, tensor parallel, sharded); otherwise the strategy named."""
-    from raylane.config.dims import ParallelDims
-
-    dims = ParallelDims.from_parallelism(cfg.parallelism)
+    dims = cfg.parallelism.dims
     if dims.pp_enabled:
         return _strategy_class("pipeline")(cfg, rank)
     if dims.cp_enabled:  # sequences split over workers: a mesh of replicas x cp (x tp)

@@ -192,7 +192,7 @@ class _Shape:
     @classmethod
     def of(cls, profile: dict, cfg: RaylaneConfig) -> _Shape:
         model, par = cfg.model, cfg.parallelism
-        dims = ParallelDims.from_parallelism(par)
+        dims = par.dims
         pp, tp, dp = dims.pp, dims.tp, dims.dp
         micro = par.microbatches if dims.pp_enabled else 1
         rows = cfg.training.batch_size / micro
@@ -287,7 +287,7 @@ def _fsdp_once_a_step(level: dict, shape: _Shape, cfg: RaylaneConfig) -> float:
     out 70-83 % slow in two of three runs (benchmarks/README.md, prediction_error). A stage
     of FSDP x tp blocks keeps the per-micro-batch figure: its fit mixes in tensor parallelism's
     all-reduces, which every micro-batch pays."""
-    dims = ParallelDims.from_parallelism(cfg.parallelism)
+    dims = cfg.parallelism.dims
     if shape.wrapped is None or not dims.fsdp_enabled or dims.tp_enabled:
         return 0.0
     return 2 / 3 * max(shape.wrapped["fixed_s"] - level["block"]["fixed_s"], 0.0)
@@ -317,7 +317,7 @@ def _sync_comm(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
     ddp_wait = _fit(level["ddp_wait"], shape.rows) if "ddp_wait" in level else 0.0
     model_bytes = _FP32 * (layers * block_params + ends_params)
     skew = max(ddp_wait - _link(level.get("all_reduce"), model_bytes), 0.0)
-    dims = ParallelDims.from_parallelism(par)
+    dims = par.dims
     if dims.sync.kind == "parameter_server":
         if "ps_push_s" in level:  # the shard's own round trip, every worker pushing at once
             return level["ps_push_s"]

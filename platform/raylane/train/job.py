@@ -13,7 +13,6 @@ from datetime import datetime
 from pathlib import Path
 
 from raylane.config import RaylaneConfig
-from raylane.config.dims import ParallelDims
 from raylane.console import long_step
 from raylane.train.phases import MARK_PREFIX, PhaseClock, marks_from_metrics
 
@@ -300,22 +299,22 @@ def _job_trainer(cfg: RaylaneConfig, run_name, tracking_uri, run_id, recorder, b
     from raylane.data.ray_datasets import read_datasets
     from raylane.tracking.identity import code_digest, package_dir
     from raylane.train.trainer import build_trainer
+    from raylane.train.worker_spec import DriverLink
 
-    loop_config = {
-        "tracking_uri": tracking_uri,
-        "run_id": run_id,
-        "journal_path": str(recorder.journal),  # rank 0 writes what the recorder reads
+    link = DriverLink(
+        tracking_uri=tracking_uri,
+        run_id=run_id,
+        journal_path=str(recorder.journal),  # rank 0 writes what the recorder reads
         # The driver samples its own node's system metrics; ranks sample the other nodes.
-        "driver_node": recorder.driver_node,
-        "driver_code": {"code_digest": code_digest(), "code_path": str(package_dir())},
-    }
-    if base is not None:
-        loop_config["base_state"] = ray.put(base.state)
-    trainer = build_trainer(cfg, read_datasets(cfg), run_name, loop_config)
+        driver_node=recorder.driver_node,
+        driver_code={"code_digest": code_digest(), "code_path": str(package_dir())},
+        base_state=ray.put(base.state) if base is not None else None,
+    )
+    trainer = build_trainer(cfg, read_datasets(cfg), run_name, link)
     log.info(
         "training: %s, %s, %d epochs",
         cfg.parallelism.strategy,
-        ParallelDims.from_parallelism(cfg.parallelism).describe(),
+        cfg.parallelism.dims.describe(),
         cfg.training.epochs,
     )
     if cfg.training.precision == "bf16":  # as the driver sees it (other nodes may differ)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from raylane.parallel.device import all_reduce_scalars
 from raylane.train.checkpointing import Position, resume_position, save_epoch_checkpoint
 from raylane.train.elastic import RunProgress, log_group_start
+from raylane.train.worker_spec import WorkerSpec
 
 
 class StepCheckpoints:
@@ -36,7 +37,9 @@ class StepCheckpoints:
     waits: Ray Train ends the group at the deadline and restarts it from that checkpoint
     without the drained node, so no step is trained twice."""
 
-    def __init__(self, cfg, strategy, model, optimizer, position: Position, loop_config, logger):
+    def __init__(
+        self, cfg, strategy, model, optimizer, position: Position, spec: WorkerSpec, logger
+    ):
         """Also, on rank 0, records the group's start (`raylane.train.elastic`)."""
         self.every = cfg.training.checkpoint_every_steps
         self.elastic = cfg.parallelism.elastic
@@ -46,7 +49,7 @@ class StepCheckpoints:
         # cluster, as Ray Train's checkpoints need).
         self.recorded = records_progress(cfg)  # the same on every rank
         keeps = self.recorded and dist.get_rank() == 0
-        self.progress = RunProgress(loop_config.get("progress_path") if keeps else None)
+        self.progress = RunProgress(spec.progress_path if keeps else None)
         log_group_start(self.progress, position, dist.get_world_size(), logger)
 
     def epoch_metrics(self) -> dict[str, int]:
@@ -127,7 +130,7 @@ def records_progress(cfg) -> bool:
     return cfg.training.checkpoint_every_steps is not None or cfg.parallelism.elastic
 
 
-def restore_point(cfg, loop_config) -> ray.train.Checkpoint | None:
+def restore_point(cfg, spec: WorkerSpec) -> ray.train.Checkpoint | None:
     """Collective: the checkpoint a worker group starts from. Ray Train's latest registered
     one, unless the run's progress record names a newer complete one: Ray Train registers a
     checkpoint at its next poll of the workers, and a group that failed in between would
@@ -141,7 +144,7 @@ def restore_point(cfg, loop_config) -> ray.train.Checkpoint | None:
         if checkpoint is not None:
             with checkpoint.as_directory() as directory:
                 registered = resume_position(Path(directory)).global_step
-        newer[0] = RunProgress(loop_config.get("progress_path")).newer_than_registered(registered)
+        newer[0] = RunProgress(spec.progress_path).newer_than_registered(registered)
         if newer[0] is not None:
             print(f"raylane: restarting from {newer[0]}, written by every worker but not yet "
                   "registered by Ray Train", file=sys.stderr, flush=True)  # fmt: skip

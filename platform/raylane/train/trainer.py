@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 from raylane.config import RaylaneConfig
+from raylane.train.worker_spec import DriverLink, WorkerSpec
 
 # Ray Train's controller checks on its workers every 2 s by default, and each change of state
 # (group scheduled, started, finished) waits for the next check: seconds of every small job's
@@ -47,15 +47,16 @@ def build_trainer(
     cfg: RaylaneConfig,
     datasets: dict,
     run_name: str,
-    loop_config: dict[str, Any],
+    link: DriverLink | None = None,
     callbacks: list | None = None,
 ):
     """A TorchTrainer for `cfg`: worker group, datasets, storage, failure and checkpoint policy.
 
     `datasets` is what `raylane.data.ray_datasets.read_datasets` returns: Ray Datasets go to
-    Ray Train, object-store splits (`MemorySplit`) to the workers' loop config.
+    Ray Train, object-store splits (`MemorySplit`) to the workers' `WorkerSpec`.
 
     `run_name` must be unique per run: Ray Train resumes a run whose name already exists.
+    `link` is what a tracked job's driver tells its workers (none for a Tune trial).
     `callbacks` are Ray Train user callbacks (a Tune trial passes its report callback).
     """
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig
@@ -69,16 +70,17 @@ def build_trainer(
     _elastic_start_timeout(cfg.parallelism.elastic)
     memory = {k: v for k, v in datasets.items() if isinstance(v, MemorySplit)}
     datasets = {k: v for k, v in datasets.items() if k not in memory}
+    spec = WorkerSpec.with_link(
+        link,
+        config=_worker_config(cfg),
+        memory_splits=memory,
+        # Where rank 0 notes the last step trained, so a restart counts the steps it lost.
+        progress_path=str(_run_dir(cfg, run_name) / PROGRESS_FILE),
+    )
     par = cfg.parallelism
     return TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={
-            "config": _worker_config(cfg),
-            "memory_splits": memory,
-            # Where rank 0 notes the last step trained, so a restart counts the steps it lost.
-            "progress_path": str(_run_dir(cfg, run_name) / PROGRESS_FILE),
-            **loop_config,
-        },
+        train_loop_config=spec.as_loop_config(),
         torch_config=TorchConfig(backend="nccl" if par.use_gpu else "gloo"),
         scaling_config=_scaling_config(par),
         run_config=RunConfig(
@@ -93,7 +95,7 @@ def build_trainer(
         dataset_config=DataConfig(
             # Pipeline stages read the same rows (the first stage needs the inputs, the last
             # the targets), so their datasets are not sharded.
-            datasets_to_split="all" if splits_dataset(par.strategy, par.cp, par.elastic) else [],
+            datasets_to_split="all" if splits_dataset(par) else [],
             execution_options=_ordered_ingest_options(),
         ),
     )

@@ -162,11 +162,9 @@ def _one_per_layout(
 ) -> tuple[list[Candidate], list[Pruned]]:
     """Keep one candidate of those that train the same thing: the one named as its layout is
     (else the first), the others pruned naming it."""
-    from raylane.config.dims import ParallelDims
-
     groups: dict[tuple, list[Candidate]] = {}
     for candidate in valid:
-        dims = ParallelDims.from_parallelism(trial_config(spec, candidate).parallelism)
+        dims = trial_config(spec, candidate).parallelism.dims
         rest = {k: v for k, v in candidate.overrides.items() if k not in _DEGREE_KEYS}
         groups.setdefault((dims, repr(sorted(rest.items()))), []).append(candidate)
     kept: set[str] = set()

@@ -26,7 +26,6 @@ def trial_driver(trial: dict[str, Any], configs: dict[str, dict[str, Any]]) -> N
         cfg,
         read_datasets(cfg),
         run_name=f"trial-{trial['key']}-{uuid.uuid4().hex[:6]}",
-        loop_config={},
         callbacks=[TuneReportCallback()],
     )
     trainer.fit()

@@ -1,0 +1,91 @@
+"""The spec the driver hands each Ray Train worker: it survives pickling (Ray ships it), its
+config validates back to the driver's, and what a run without a driver job leaves out reads as
+None."""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from raylane.config import load_config
+from raylane.train.trainer import _worker_config
+from raylane.train.worker_spec import DriverLink, WorkerSpec
+from tests.readme_blocks import ROOT
+
+CONFIG = ROOT / "configs" / "train" / "digits_ddp.yaml"
+OVERRIDES = ["training.lr=0.0123", "training.epochs=7", "training.seed=31"]
+
+
+def _driver_cfg(*overrides: str):
+    return load_config(CONFIG, [*OVERRIDES, *overrides])
+
+
+def _link() -> DriverLink:
+    return DriverLink(
+        tracking_uri="http://mlflow.example:5000",
+        run_id="0123abcd",
+        journal_path="/runs/r1/raylane_journal.jsonl",
+        driver_node="node-of-the-driver",
+        driver_code={"code_digest": "d1g35t", "code_path": "/src/raylane"},
+        base_state=("weights", 42),  # an ObjectRef in a job; any picklable value here
+    )
+
+
+def test_a_spec_round_trips_through_pickle_with_its_config_and_link_intact():
+    cfg = _driver_cfg()
+    spec = WorkerSpec.with_link(
+        _link(), config=_worker_config(cfg), progress_path="/runs/r1/progress.json"
+    )
+    back = pickle.loads(pickle.dumps(spec))
+    assert back == spec
+    assert back.config == cfg.model_dump(mode="json")
+    assert back.config["training"]["lr"] == 0.0123
+    assert back.driver_code == {"code_digest": "d1g35t", "code_path": "/src/raylane"}
+    assert back.base_state == ("weights", 42)
+    assert back.progress_path == "/runs/r1/progress.json"
+    assert back.memory_splits == {}
+
+
+def test_the_validated_config_is_the_drivers_with_paths_made_absolute(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = _driver_cfg("training.resume_from=ckpt/epoch_0003")
+    spec = pickle.loads(pickle.dumps(WorkerSpec(config=_worker_config(cfg))))
+    on_worker = spec.raylane_config()
+    resolved = (tmp_path / "ckpt" / "epoch_0003").resolve()
+    assert Path(on_worker.training.resume_from) == resolved
+    assert on_worker.model_copy(update={"training": cfg.training}) == cfg
+    assert on_worker.training.model_dump(exclude={"resume_from"}) == cfg.training.model_dump(
+        exclude={"resume_from"}
+    )
+
+
+def test_driver_fields_a_trial_does_not_set_read_as_none():
+    spec = WorkerSpec.with_link(None, config=_worker_config(_driver_cfg()))
+    link_fields = [f.name for f in fields(DriverLink)]
+    assert link_fields == [
+        "tracking_uri", "run_id", "journal_path", "driver_node", "driver_code", "base_state",
+    ]  # fmt: skip
+    assert {name: getattr(spec, name) for name in link_fields} == dict.fromkeys(link_fields)
+    assert spec.progress_path is None
+    assert spec.raylane_config().training.epochs == 7
+
+
+def test_every_link_field_reaches_the_spec():
+    link = _link()
+    spec = WorkerSpec.with_link(link, config={})
+    for f in fields(DriverLink):
+        assert getattr(spec, f.name) == getattr(link, f.name), f.name
+
+
+def test_ray_trains_dict_carries_the_spec_and_nothing_else_passes_for_one():
+    spec = WorkerSpec(config=_worker_config(_driver_cfg()))
+    loop_config = pickle.loads(pickle.dumps(spec.as_loop_config()))
+    assert list(loop_config) == ["spec"]
+    assert WorkerSpec.from_loop_config(loop_config) == spec
+    with pytest.raises(TypeError, match="dict"):
+        WorkerSpec.from_loop_config({"spec": spec.config})
+    with pytest.raises(KeyError):
+        WorkerSpec.from_loop_config({"config": spec.config})
