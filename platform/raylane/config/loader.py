@@ -127,13 +127,24 @@ def with_absolute_paths(config: RaylaneConfig, base: Path | None = None) -> Rayl
     def absolute(path: Path | None) -> Path | None:
         return None if path is None else (base / path).resolve()
 
+    def absolute_text(path: str) -> str:  # a glob, or a tokenizer.json path ('bytes' stays)
+        return path if path == "bytes" or Path(path).is_absolute() else str(base / path)
+
+    tokenizer = config.data.tokenizer
     return config.model_copy(
         update={
             "data": config.data.model_copy(
                 update={
                     "train_path": absolute(config.data.train_path),
                     "validation_path": absolute(config.data.validation_path),
+                    "files": [absolute_text(f) for f in config.data.files],
+                    "tokenizer": absolute_text(tokenizer)
+                    if isinstance(tokenizer, str)
+                    else tokenizer,
                 }
+            ),
+            "model": config.model.model_copy(
+                update={"pretrained": absolute(config.model.pretrained)}
             ),
             "training": config.training.model_copy(
                 update={

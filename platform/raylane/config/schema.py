@@ -1,5 +1,5 @@
-"""The run configuration schema: the top level and the data, model, training and tracking
-sections (`parallelism:` and `serving:` have modules of their own).
+"""The run configuration schema: the top level and the training and tracking sections
+(`data:`, `model:`, `parallelism:` and `serving:` have modules of their own).
 
 Every field carries a description: it is the documentation (README reference, `--help`, JSON
 Schema). Unknown keys are errors, and cross-field checks raise sentences a user understands.
@@ -7,14 +7,15 @@ Schema). Unknown keys are errors, and cross-field checks raise sentences a user 
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
 
-from raylane.config.finetune import FINETUNE_STRATEGIES, FinetuneConfig
+from raylane.config.data import DataConfig, TokenizerTraining
+from raylane.config.finetune import FinetuneConfig
 from raylane.config.layout import check_layout
+from raylane.config.model import DIGITS_CLASSES, DIGITS_FEATURES, ModelConfig
 from raylane.config.parallelism import ParallelismConfig, StragglerConfig, Strategy
 from raylane.config.serving import AutoscalingConfig, GenerationConfig, ServingConfig
 from raylane.config.strict import StrictModel
@@ -24,115 +25,6 @@ __all__ = [
     "ParallelismConfig", "RaylaneConfig", "ServingConfig", "StragglerConfig", "Strategy",
     "StrictModel", "TrackingConfig", "TrainingConfig",
 ]  # fmt: skip
-
-DIGITS_FEATURES = 64
-DIGITS_CLASSES = 10
-
-
-class DataConfig(StrictModel):
-    source: Literal["sklearn-digits", "python-stdlib", "python-stdlib-tests", "parquet"] = Field(
-        "sklearn-digits",
-        description="Where the data comes from. 'sklearn-digits' (8x8 digit images), "
-        "'python-stdlib' (byte windows of the Python standard library's top-level modules, for "
-        "language models) and 'python-stdlib-tests' (its test suite, `test/test_*.py`: text "
-        "no 'python-stdlib' run has seen, for fine-tuning) are materialised to Parquet by "
-        "`raylane prepare` (or on first use); 'parquet' reads existing files you provide.",
-    )
-    train_path: Path = Field(
-        Path("data/digits/train.parquet"),
-        description="Parquet file or directory with the training rows (relative to the "
-        "working directory).",
-    )
-    validation_path: Path = Field(
-        Path("data/digits/validation.parquet"),
-        description="Parquet file or directory with the validation rows.",
-    )
-    features_column: str = Field(
-        "features", description="Column holding each row's features as a list of numbers."
-    )
-    label_column: str = Field("label", description="Column holding the integer class label.")
-    validation_fraction: float = Field(
-        0.2,
-        gt=0.0,
-        lt=1.0,
-        description="Share of rows held out for validation when preparing a built-in dataset.",
-    )
-    split_seed: int = Field(
-        0, description="Seed of the deterministic train/validation split of a built-in dataset."
-    )
-    max_bytes: int = Field(
-        1 << 19,
-        ge=1024,
-        description="python-stdlib: how many bytes of source text to take (whole files, in "
-        "sorted path order).",
-    )
-    cache: bool = Field(
-        True,
-        description="Materialise both splits in Ray's object store once, instead of re-reading "
-        "Parquet every epoch. Turn off for datasets larger than the object store.",
-    )
-    feed: Literal["auto", "memory", "ray_data"] = Field(
-        "auto",
-        description="How workers read the splits. 'memory': the driver puts each split in "
-        "Ray's object store as two arrays and every worker takes its rows of each global batch "
-        "(no Ray Data actors to start: seconds less per job). 'ray_data': Ray Data streams "
-        "them (sharded across data-parallel workers), for data of any size. 'auto': memory "
-        "when cache is on and the two splits together are at most 64 MB on disk.",
-    )
-
-    @model_validator(mode="after")
-    def _memory_feed_is_cached(self) -> DataConfig:
-        if self.feed == "memory" and not self.cache:
-            raise ValueError(
-                "data.feed 'memory' holds the splits in the object store, which data.cache: "
-                "false turns off; set cache: true or feed: ray_data"
-            )
-        return self
-
-
-class ModelConfig(StrictModel):
-    kind: Literal["mlp", "cnn", "gpt"] = Field(
-        "mlp",
-        description="Architecture: 'mlp' (fully connected), 'cnn' (convolutions over a square "
-        "image; more compute per parameter) or 'gpt' (byte-level decoder-only transformer).",
-    )
-    input_dim: int = Field(
-        DIGITS_FEATURES,
-        ge=1,
-        description="Number of input features per row (gpt: tokens per sequence).",
-    )
-    num_classes: int = Field(
-        DIGITS_CLASSES, ge=2, description="Number of output classes (gpt: vocabulary size)."
-    )
-    d_model: int = Field(64, ge=1, description="gpt: width of the residual stream.")
-    n_heads: int = Field(4, ge=1, description="gpt: attention heads per block.")
-    n_layers: int = Field(4, ge=1, description="gpt: transformer blocks.")
-    hidden_sizes: list[int] = Field(
-        default_factory=lambda: [128, 128],
-        min_length=1,
-        description="MLP: width of each hidden layer. CNN: channels of each conv layer.",
-    )
-    input_scale: float = Field(
-        16.0,
-        gt=0.0,
-        description="Inputs are divided by this inside the model, so clients send raw values "
-        "(digits pixels are 0-16).",
-    )
-
-    @model_validator(mode="after")
-    def _check_shape(self) -> ModelConfig:
-        if any(h < 1 for h in self.hidden_sizes):
-            raise ValueError("every entry of hidden_sizes must be at least 1")
-        if self.kind == "gpt" and self.d_model % self.n_heads:
-            raise ValueError(
-                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
-            )
-        if self.kind == "cnn" and math.isqrt(self.input_dim) ** 2 != self.input_dim:
-            raise ValueError(
-                f"kind 'cnn' needs a square image, but input_dim={self.input_dim} is not a "
-                "perfect square"
-            )
-        return self
 
 
 class TrainingConfig(StrictModel):
@@ -260,17 +152,31 @@ class RaylaneConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _check_llama_support(self) -> RaylaneConfig:
+        """A llama trains where every worker holds whole blocks in lockstep; its tensor,
+        pipeline and context parallel plans do not exist yet."""
+        if self.model.kind != "llama":
+            return self
+        par, dims = self.parallelism, self.parallelism.dims
+        if dims.sync.kind != "all_reduce" or dims.tp_enabled or dims.pp_enabled or dims.cp_enabled:
+            raise ValueError(
+                f"model.kind 'llama' trains with strategy 'ddp' or 'fsdp' and tp, pp, cp 1 (got "
+                f"'{par.strategy}', tp {par.tp}, pp {par.pp}, cp {par.cp})"
+            )
+        if self.data.source == "sklearn-digits":
+            raise ValueError(
+                "model.kind 'llama' needs token data, not data.source 'sklearn-digits'"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_step_checkpoints(self) -> RaylaneConfig:
-        strategy = self.parallelism.strategy
-        if self.training.checkpoint_every_steps is not None and strategy in (
-            "async",
-            "ssp",
-            "local_sgd",
-        ):
+        sync = self.parallelism.dims.sync
+        if self.training.checkpoint_every_steps is not None and sync.kind != "all_reduce":
             raise ValueError(
                 f"training.checkpoint_every_steps needs replicas that agree after every step; "
-                f"'{strategy}' (replicas apart between averages, or a parameter server's "
-                "updates in flight) checkpoints per epoch only"
+                f"'{self.parallelism.strategy}' ({sync.describe()}: replicas apart between "
+                "averages, or updates in flight) checkpoints per epoch only"
             )
         return self
 
@@ -283,8 +189,9 @@ class RaylaneConfig(StrictModel):
                 f"finetune adapts a registered gpt language model; model.kind is "
                 f"'{self.model.kind}'"
             )
-        par = self.parallelism
-        if par.strategy not in FINETUNE_STRATEGIES or par.pp > 1 or par.tp > 1:
+        par, dims = self.parallelism, self.parallelism.dims
+        # Every worker trains the whole (adapted) model, replicated or sharded, in lockstep.
+        if dims.sync.kind != "all_reduce" or dims.pp_enabled or dims.tp_enabled:
             raise ValueError(
                 f"finetune runs on strategy 'ddp' or 'fsdp' with every worker holding whole "
                 f"blocks (got '{par.strategy}', pp {par.pp}, tp {par.tp})"
@@ -292,12 +199,38 @@ class RaylaneConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _check_tokenizer_fits_model(self) -> RaylaneConfig:
+        """Token data needs a language model with a class for every token; a given
+        tokenizer.json's vocabulary is checked when the files are prepared."""
+        if self.data.source != "files":
+            return self
+        if self.model.kind not in ("gpt", "llama"):
+            raise ValueError(
+                f"data.source 'files' is token data: model.kind must be 'gpt' or 'llama', not "
+                f"'{self.model.kind}'"
+            )
+        tokenizer = self.data.tokenizer
+        if tokenizer == "bytes":
+            vocabulary, what = 256, "'bytes' has 256 tokens"
+        elif isinstance(tokenizer, TokenizerTraining):
+            vocabulary = tokenizer.train.vocab_size
+            what = f"trains a BPE of up to {vocabulary} tokens"
+        else:
+            return self
+        if self.model.num_classes < vocabulary:
+            raise ValueError(
+                f"model.num_classes is {self.model.num_classes} but data.tokenizer {what}; set "
+                f"model.num_classes to at least {vocabulary}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_dataset_matches_model(self) -> RaylaneConfig:
         if self.data.source in ("python-stdlib", "python-stdlib-tests"):
-            if self.model.kind != "gpt":
+            if self.model.kind not in ("gpt", "llama"):
                 raise ValueError(
                     f"data.source '{self.data.source}' is token data: model.kind must be "
-                    f"'gpt', not '{self.model.kind}'"
+                    f"'gpt' or 'llama', not '{self.model.kind}'"
                 )
             if self.model.num_classes != 256:
                 raise ValueError(

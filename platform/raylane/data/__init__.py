@@ -1,4 +1,5 @@
-"""Datasets: preparation to Parquet, checks, digests, and Ray Data loading."""
+"""Datasets: preparation to Parquet (built-in sources, and the user's text and JSONL files as
+token windows), checks, digests, and Ray Data loading."""
 
 from raylane.data.errors import DataError
 from raylane.data.parquet import check_parquet, dataset_digest, ensure_dataset

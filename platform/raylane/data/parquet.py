@@ -14,6 +14,8 @@ import pyarrow.parquet as pq
 from raylane.config import RaylaneConfig
 from raylane.console import long_step
 from raylane.data.errors import DataError
+from raylane.data.files import prepare_files, stale_sources
+from raylane.data.packing import IGNORE_INDEX
 from raylane.data.prepare import prepare_digits
 from raylane.data.text import prepare_stdlib_text
 
@@ -85,7 +87,8 @@ def _feature_width(path: Path, column: pa.ChunkedArray) -> int:
 
 
 def check_parquet(path: Path, cfg: RaylaneConfig) -> DatasetInfo:
-    """Check that `path` holds the configured columns with the model's feature width."""
+    """Check that `path` holds the configured columns with the model's feature width, and
+    labels in [0, model.num_classes), sequence labels also -100 (positions the loss skips)."""
     files = parquet_files(path)
     if not files:
         raise DataError(f"{path}: no Parquet files found")
@@ -108,13 +111,19 @@ def check_parquet(path: Path, cfg: RaylaneConfig) -> DatasetInfo:
             f"{path}: rows have {width} features but model.input_dim is {cfg.model.input_dim}"
         )
     labels = table.column(label_col)
-    if pa.types.is_fixed_size_list(labels.type) or pa.types.is_list(labels.type):
+    sequences = pa.types.is_fixed_size_list(labels.type) or pa.types.is_list(labels.type)
+    if sequences:
         # Sequence targets (language modelling): one label per input position.
         if _feature_width(path, labels) != width:
             raise DataError(f"{path}: label sequences must have {width} entries like the inputs")
         labels = pc.list_flatten(labels)
     if not pa.types.is_integer(labels.type):
         raise DataError(f"{path}: label column {label_col!r} must be integer, found {labels.type}")
+    if sequences:
+        # Positions the loss skips carry -100 (PyTorch's ignore_index): a prompt, a user turn.
+        labels = pc.filter(labels, pc.not_equal(labels, IGNORE_INDEX))
+        if len(labels) == 0:
+            raise DataError(f"{path}: every label is {IGNORE_INDEX} (ignored): nothing to learn")
     low, high = pc.min(labels).as_py(), pc.max(labels).as_py()
     if low is None or low < 0 or high >= cfg.model.num_classes:
         raise DataError(
@@ -124,7 +133,8 @@ def check_parquet(path: Path, cfg: RaylaneConfig) -> DatasetInfo:
 
 
 def ensure_dataset(cfg: RaylaneConfig) -> tuple[DatasetInfo, DatasetInfo]:
-    """Make sure both splits exist and fit the model; prepare a built-in dataset if missing."""
+    """Make sure both splits exist and fit the model; prepare a built-in dataset if missing,
+    the user's files (`data.source: files`) if missing or built from anything else."""
     data = cfg.data
     missing = [p for p in (data.train_path, data.validation_path) if not parquet_files(p)]
     if missing and data.source == "sklearn-digits":
@@ -133,6 +143,12 @@ def ensure_dataset(cfg: RaylaneConfig) -> tuple[DatasetInfo, DatasetInfo]:
     elif missing and data.source in ("python-stdlib", "python-stdlib-tests"):
         with long_step("preparing the standard-library text dataset"):
             prepare_stdlib_text(cfg)
+    elif data.source == "files":
+        # Checked every time: a changed file, tokenizer or data field re-prepares.
+        sources = stale_sources(cfg)
+        if sources is not None:
+            with long_step(f"preparing {len(sources.files)} data files"):
+                prepare_files(cfg, sources)
     elif missing:
         raise DataError(f"{missing[0]}: no Parquet files found (data.source is 'parquet')")
     return check_parquet(data.train_path, cfg), check_parquet(data.validation_path, cfg)

@@ -15,6 +15,7 @@ import numpy as np
 
 from raylane.config import RaylaneConfig
 from raylane.data.errors import DataError
+from raylane.data.packing import windows
 from raylane.data.prepare import write_split
 
 MANIFEST = "manifest.json"
@@ -44,12 +45,7 @@ def stdlib_source_files(max_bytes: int, source: str = "python-stdlib") -> list[P
 
 def token_windows(data: bytes, context_length: int) -> tuple[np.ndarray, np.ndarray]:
     """Non-overlapping windows: inputs `[N, T]` and next-byte targets `[N, T]` (int64)."""
-    tokens = np.frombuffer(data, dtype=np.uint8).astype(np.int64)
-    count = (len(tokens) - 1) // context_length
-    span = tokens[: count * context_length + 1]
-    inputs = span[:-1].reshape(count, context_length)
-    targets = span[1:].reshape(count, context_length)
-    return inputs, targets
+    return windows(np.frombuffer(data, dtype=np.uint8).astype(np.int64), context_length)
 
 
 def prepare_stdlib_text(cfg: RaylaneConfig) -> tuple[int, int]:

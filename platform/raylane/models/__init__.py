@@ -2,8 +2,9 @@
 (`raylane.models.optim`).
 
 The classifiers and `build_model` read the validated config (pydantic); they are imported on
-first use, so the torch-only modules (`raylane.models.gpt`, `kv_cache`, `multi_lora`) import on
-a machine that has torch and nothing else (`benchmarks/gpu.py` runs there).
+first use, so the torch-only modules (`raylane.models.gpt`, `llama`, `kv_cache`, `multi_lora`;
+`hf_checkpoint` with safetensors) import on a machine that has torch and nothing else
+(`benchmarks/gpu.py` runs there).
 """
 
 from __future__ import annotations

@@ -55,11 +55,19 @@ class ConvClassifier(nn.Module):
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
-    """The configured architecture with freshly initialised weights (seed before calling)."""
+    """The configured architecture with freshly initialised weights (seed before calling), or
+    a llama with its Hugging Face checkpoint's weights (`pretrained`)."""
     if cfg.kind == "gpt":
         from raylane.models.gpt import GPT
 
         return GPT(cfg.num_classes, cfg.input_dim, cfg.d_model, cfg.n_heads, cfg.n_layers)
+    if cfg.kind == "llama":
+        from raylane.models.hf_checkpoint import load_pretrained
+        from raylane.models.llama import LlamaForCausalLM, llama_config
+
+        if cfg.pretrained is not None:
+            return load_pretrained(cfg.pretrained)
+        return LlamaForCausalLM(llama_config(cfg))
     if cfg.kind == "cnn":
         return ConvClassifier(cfg.input_dim, cfg.hidden_sizes, cfg.num_classes, cfg.input_scale)
     return MLPClassifier(cfg.input_dim, cfg.hidden_sizes, cfg.num_classes, cfg.input_scale)

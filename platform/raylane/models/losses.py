@@ -1,14 +1,46 @@
 """The loss raylane trains and evaluates with, on plain tensors (no parallelism inside): the
-strategies' steps take it, and the profile times the model's ends with it."""
+strategies' steps take it, and the profile times the model's ends with it.
+
+A target of -100 (PyTorch's `ignore_index`) is skipped by both: the tokens of a prompt or of a
+chat's user turns, which the model reads but does not learn (`raylane.data.packing`).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch.nn import functional as F
 
+#: The target the loss and the validation sums skip (PyTorch's default `ignore_index`).
+IGNORE_INDEX = -100
+
 
 def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The loss every strategy's step takes: cross-entropy over the outputs' last dimension,
     which covers classification (`[B, C]` vs `[B]`) and language modelling (`[B, T, V]` vs
-    `[B, T]`)."""
+    `[B, T]`).
+
+    `F.cross_entropy`'s default `ignore_index` (-100) is kept: the mean is over the targets
+    that are not -100, which get no gradient, so a masked batch's loss is exactly the loss over
+    its learnt tokens alone. A batch whose every target is -100 has no mean (NaN, with zero
+    gradients); prepared data leaves such windows out.
+    """
     return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
+
+
+def token_sums(
+    outputs: torch.Tensor, targets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(loss_sum, correct, counted)` over the targets that are not -100, as float64 tensors
+    on the outputs' device (nothing read back): the summed cross-entropy, the argmax
+    predictions that hit, and how many targets count. Validation adds them up over batches
+    and workers, then divides: the mean loss and accuracy over the counted tokens."""
+    flat_outputs = outputs.reshape(-1, outputs.shape[-1])
+    flat_targets = targets.reshape(-1).to(outputs.device)
+    counts = flat_targets != IGNORE_INDEX
+    counted = counts.sum().double()
+    # The batch's mean times its count, as the unmasked figures always were (a float32 sum
+    # would round differently); a batch with nothing to count adds 0, not the mean's NaN.
+    mean = F.cross_entropy(flat_outputs.float(), flat_targets).double()
+    loss_sum = torch.where(counted > 0, mean * counted, torch.zeros_like(mean))
+    correct = (flat_outputs.argmax(dim=-1) == flat_targets) & counts
+    return loss_sum, correct.sum().double(), counted

@@ -17,9 +17,9 @@ from mlflow.tracking import MlflowClient
 from torch import nn
 
 from raylane.config import RaylaneConfig
-from raylane.config.dims import ParallelDims
 from raylane.config.layout import describe_stages
 from raylane.config.loader import config_to_yaml, flatten
+from raylane.data.files import TOKENIZER_FILE
 
 log = logging.getLogger("raylane")
 
@@ -41,7 +41,7 @@ def log_run_context(
     from mlflow.entities import Param, RunTag
 
     params = {k: str(v)[:500] for k, v in flatten(cfg.model_dump(mode="json")).items()}
-    layout = ParallelDims.from_parallelism(cfg.parallelism)
+    layout = cfg.parallelism.dims
     params = [Param(k, v) for k, v in {**params, **layout.as_params()}.items()]
     for start in range(0, len(params), 100):  # MLflow's limit of params per batch
         client.log_batch(run_id, params=params[start : start + 100])
@@ -65,10 +65,12 @@ def log_run_context(
     }
     client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
     _log_dataset_inputs(client, run_id, cfg, digest)
-    manifest = Path(cfg.data.train_path).parent / "manifest.json"
-    if manifest.is_file():
-        # Prepared text datasets record which files (and bytes) they were made from.
-        client.log_artifact(run_id, str(manifest), "data")
+    prepared = Path(cfg.data.train_path).parent
+    # Prepared text datasets record which files (and bytes) they were made from, and the
+    # tokenizer their tokens come from (a trained BPE or the one given; bytes need none).
+    for name in ("manifest.json", TOKENIZER_FILE):
+        if (prepared / name).is_file():
+            client.log_artifact(run_id, str(prepared / name), "data")
 
 
 def _log_dataset_inputs(client: MlflowClient, run_id: str, cfg: RaylaneConfig, digest: str):

@@ -24,10 +24,10 @@ import torch.distributed as dist
 from raylane.config import RaylaneConfig
 from raylane.data.memory import MemorySplit, memory_batches
 from raylane.models import build_model
-from raylane.models.losses import cross_entropy
+from raylane.models.losses import cross_entropy, token_sums
 from raylane.models.optim import build_optimizer
 from raylane.parallel import get_strategy
-from raylane.parallel.device import all_reduce_scalars, synchronize, to_device
+from raylane.parallel.device import all_reduce_scalars, synchronize
 from raylane.parallel.meters import ActivationMeter, worker_memory
 from raylane.parallel.precision import apply_matmul_precision
 from raylane.runtime import worker_threads
@@ -42,6 +42,7 @@ from raylane.train.elastic import at_world_size
 from raylane.train.phases import WorkerMarks
 from raylane.train.step_checkpoints import StepCheckpoints, epoch_start, restore_point
 from raylane.train.straggler import Straggler
+from raylane.train.worker_spec import WorkerSpec
 
 
 def seed_everything(seed: int) -> None:
@@ -178,18 +179,18 @@ def _epoch_totals(strategy, model, optimizer, activations, loss_sum, rows, carri
 
 @torch.no_grad()
 def _evaluate(strategy, model, shard, cfg):
-    """Mean loss and accuracy over the validation rows: the sums kept on the outputs' device
-    (float64, as host floats would) and read back once, by the group's reduction."""
+    """Mean loss and accuracy over the validation targets that count (not -100: a prompt's
+    tokens in chat data): the sums kept on the outputs' device (float64, as host floats would)
+    and read back once, by the group's reduction."""
     model.eval()
     loss_sum, correct, count = 0.0, 0.0, 0.0
     for inputs, targets in _my_batches(strategy, shard, cfg, shuffle_seed=None, whole=True):
         outputs = strategy.forward(model, inputs, targets)
         if outputs is None or not targets.numel():
             continue
-        targets = to_device(targets, outputs.device)
-        loss_sum = loss_sum + cross_entropy(outputs, targets).double() * targets.numel()
-        correct = correct + (outputs.argmax(dim=-1) == targets).sum().double()
-        count += targets.numel()
+        batch_loss, batch_correct, batch_count = token_sums(outputs, targets)
+        loss_sum, correct = loss_sum + batch_loss, correct + batch_correct
+        count = count + batch_count
     loss_sum, correct, count = all_reduce_scalars([loss_sum, correct, count])
     return loss_sum / max(count, 1), correct / max(count, 1)
 
@@ -239,14 +240,16 @@ def _gather_placement(rank: int) -> list[dict]:
 def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     """Train the configured model on this worker's data, reporting once per epoch.
 
-    `loop_config` holds the resolved config (`config`), and the MLflow run to log into
-    (`tracking_uri`, `run_id`, `journal_path`): rank 0 journals where every rank ran and each
-    epoch, which the driver logs into the run (it keeps each rank's console output too); the
-    first rank on each node other than the driver's samples its system metrics.
+    `loop_config` is Ray Train's dict around the driver's `WorkerSpec`: the resolved config,
+    and the MLflow run to log into (`tracking_uri`, `run_id`, `journal_path`): rank 0 journals
+    where every rank ran and each epoch, which the driver logs into the run (it keeps each
+    rank's console output too); the first rank on each node other than the driver's samples
+    its system metrics.
     """
     marks = WorkerMarks()  # rank 0's marks split the job's phases (raylane.train.phases)
     context = ray.train.get_context()
-    cfg = RaylaneConfig.model_validate(loop_config["config"])
+    spec = WorkerSpec.from_loop_config(loop_config)
+    cfg = spec.raylane_config()
     cfg = at_world_size(cfg, context.get_world_size())  # an elastic group's share of the batch
     rank = context.get_world_rank()
     torch.set_num_threads(worker_threads(cfg, context.get_local_world_size()))
@@ -254,28 +257,28 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     seed_everything(cfg.training.seed)
 
     strategy = get_strategy(cfg, rank)
-    model = strategy.wrap_model(_plain_model(cfg, loop_config))  # raylane.parallel.parallelize
+    model = strategy.wrap_model(_plain_model(cfg, spec))  # raylane.parallel.parallelize
     training = cfg.training
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     optimizer = build_optimizer(trainable, training.optimizer, training.lr, training.weight_decay)
 
-    start = _restore(strategy, model, optimizer, restore_point(cfg, loop_config), cfg)
+    start = _restore(strategy, model, optimizer, restore_point(cfg, spec), cfg)
     placement = _gather_placement(rank)
-    check_same_code(placement, loop_config.get("driver_code"))
-    journal, monitor = _start_tracking(loop_config, cfg, rank, placement)
+    check_same_code(placement, spec.driver_code)
+    journal, monitor = _start_tracking(spec, cfg, rank, placement)
     try:
-        _train_epochs(strategy, model, optimizer, cfg, start, rank, journal, marks, loop_config)
+        _train_epochs(strategy, model, optimizer, cfg, start, rank, journal, marks, spec)
     finally:
         if monitor is not None:
             monitor.finish()
 
 
-def _plain_model(cfg: RaylaneConfig, loop_config: dict[str, Any]):
+def _plain_model(cfg: RaylaneConfig, spec: WorkerSpec):
     """The model before any parallelism: freshly initialised, or a fine-tuning run's base
     (its weights from the object store) with `finetune:`'s adapters."""
     model = build_model(cfg.model)
     if cfg.finetune is not None:
-        model.load_state_dict(ray.get(loop_config["base_state"]))
+        model.load_state_dict(ray.get(spec.base_state))
         if cfg.finetune.method == "lora":
             from raylane.models.adapters import apply_lora
 
@@ -299,12 +302,12 @@ def _restore(strategy, model, optimizer, checkpoint, cfg: RaylaneConfig) -> Posi
         )
 
 
-def _start_tracking(loop_config: dict[str, Any], cfg: RaylaneConfig, rank: int, placement):
+def _start_tracking(spec: WorkerSpec, cfg: RaylaneConfig, rank: int, placement):
     """Rank 0's journal (`raylane.train.journal`: the driver logs it into the MLflow run),
     opened with the group's placement and the workers' packages, and this node's system
     metrics monitor when this is its first rank and the driver does not sample the node
     itself; (None, None) for a run without MLflow (a Tune trial)."""
-    if not loop_config.get("journal_path"):
+    if not spec.journal_path:
         return None, None
     from raylane.tracking.system_metrics import start_node_monitor
 
@@ -313,14 +316,14 @@ def _start_tracking(loop_config: dict[str, Any], cfg: RaylaneConfig, rank: int, 
         from raylane.tracking.identity import requirements
         from raylane.train.journal import Journal
 
-        journal = Journal(loop_config["journal_path"])
+        journal = Journal(spec.journal_path)
         journal.log_group(placement, requirements())
     # The first rank on each Ray node samples it (not "local rank 0": Ray numbers local ranks
     # per IP, and several nodes can share one); the driver samples its own node.
     node = ray.get_runtime_context().get_node_id()
     first_here = min(r["rank"] for r in placement if r["node_id"] == node) == rank
-    first_here = first_here and node != loop_config.get("driver_node")
-    uri, run_id = loop_config["tracking_uri"], loop_config["run_id"]
+    first_here = first_here and node != spec.driver_node
+    uri, run_id = spec.tracking_uri, spec.run_id
     interval_s = cfg.tracking.system_metrics_interval_s
     return journal, start_node_monitor(uri, run_id, interval_s, first_here)
 
@@ -332,14 +335,14 @@ def _log_base_loss(strategy, model, validation_shard, cfg, journal) -> None:
         journal.log({"base_val_loss": base_loss}, step=0)
 
 
-def _train_epochs(strategy, model, optimizer, cfg, start, rank, journal, marks, loop_config):
+def _train_epochs(strategy, model, optimizer, cfg, start, rank, journal, marks, spec: WorkerSpec):
     """From `start` on: train, evaluate, journal (rank 0), checkpoint and report each epoch."""
-    memory = loop_config.get("memory_splits") or {}
+    memory = spec.memory_splits
     train_shard = memory.get("train") or ray.train.get_dataset_shard("train")
     validation_shard = memory.get("validation") or ray.train.get_dataset_shard("validation")
     if cfg.finetune is not None and start == Position(0):
         _log_base_loss(strategy, model, validation_shard, cfg, journal)
-    saver = StepCheckpoints(cfg, strategy, model, optimizer, start, loop_config, journal)
+    saver = StepCheckpoints(cfg, strategy, model, optimizer, start, spec, journal)
     for epoch in range(start.epoch, cfg.training.epochs):
         train_loss, rows, split, elapsed = _train_epoch(
             strategy, model, optimizer, train_shard, cfg, epoch, rank, marks,
@@ -359,8 +362,8 @@ def _train_epochs(strategy, model, optimizer, cfg, start, rank, journal, marks, 
             **split,
             **stats,
         }
-        if cfg.model.kind == "gpt":  # tokens are bytes: the loss in bits is bits per byte
-            metrics["val_bits_per_byte"] = val_loss / math.log(2)
+        if cfg.model.kind in ("gpt", "llama") and cfg.data.tokenizer == "bytes":
+            metrics["val_bits_per_byte"] = val_loss / math.log(2)  # one token is one byte
         again = epoch == start.epoch  # an earlier group may have ended it before a restart
         if journal is not None:  # before the report: the driver has it when fit() returns
             journal.log_epoch(metrics, epoch, again, strategy.run_tables)

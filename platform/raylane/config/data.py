@@ -1,0 +1,150 @@
+"""`data:`: where the rows come from, how text is tokenized and packed, and how workers read
+them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from raylane.config.strict import StrictModel
+
+
+class BpeTraining(StrictModel):
+    vocab_size: int = Field(
+        ...,
+        ge=257,
+        le=1 << 20,
+        description="Most tokens of the trained BPE: the 256 bytes, the end-of-text token and "
+        "the merges learnt.",
+    )
+
+
+class TokenizerTraining(StrictModel):
+    train: BpeTraining = Field(
+        ..., description="A byte-level BPE trained on the training split's documents."
+    )
+
+
+class DataConfig(StrictModel):
+    source: Literal[
+        "sklearn-digits", "python-stdlib", "python-stdlib-tests", "files", "parquet"
+    ] = Field(
+        "sklearn-digits",
+        description="Where the data comes from. 'sklearn-digits' (8x8 digit images), "
+        "'python-stdlib' (byte windows of the Python standard library's top-level modules, for "
+        "language models) and 'python-stdlib-tests' (its test suite, `test/test_*.py`: text "
+        "no 'python-stdlib' run has seen, for fine-tuning) are materialised to Parquet by "
+        "`raylane prepare` (or on first use); 'files' prepares your text and JSONL files "
+        "(`files`) the same way, as token windows (again whenever they or the data fields "
+        "change); 'parquet' reads existing files you provide.",
+    )
+    files: list[str] = Field(
+        default_factory=list,
+        description="source 'files': the files to read, as paths or globs (`**` too) relative "
+        "to the working directory, each of which must match a file; read in this order, each "
+        "glob's matches sorted.",
+    )
+    format: Literal["auto", "text", "jsonl"] = Field(
+        "auto",
+        description="source 'files': 'text' (each file one document), 'jsonl' (a JSON object "
+        "a line: `text`, `prompt` + `completion`, or chat `messages`, a list of `{role, "
+        "content}` with role system, user or assistant), or 'auto': by suffix, .txt .md .py "
+        ".rst text and .jsonl JSON lines.",
+    )
+    text_field: str = Field(
+        "text", min_length=1, description="source 'files', JSONL: the key of a row's plain text."
+    )
+    tokenizer: str | TokenizerTraining = Field(
+        "bytes",
+        description="source 'files': 'bytes' (the 256 byte values, byte 3, ASCII end-of-text, "
+        "after each document), a path to a Hugging Face tokenizer.json (its end-of-text token "
+        "from a tokenizer_config.json beside it, else a usual name), or `{train: {vocab_size: "
+        "N}}`: a byte-level BPE with an `<|endoftext|>` token, trained deterministically on the "
+        "training split's documents. A BPE or given tokenizer is saved as tokenizer.json beside "
+        "the training split. model.num_classes must be at least its vocabulary.",
+    )
+    chat_template: str | None = Field(
+        None,
+        description="source 'files': the Jinja template that renders a JSONL row's `messages` "
+        "(with `messages`, `bos_token`, `eos_token`; contents verbatim). None: the "
+        "chat_template of a tokenizer_config.json beside data.tokenizer's tokenizer.json, else "
+        "raylane's: each message as `<|ROLE|>`, a newline and its content, messages separated "
+        "by a newline. The model learns the assistants' contents only (and a prompt's "
+        "completion): every other token's label is -100, which the loss skips.",
+    )
+    on_bad_rows: Literal["error", "skip"] = Field(
+        "error",
+        description="source 'files': a bad JSONL row or unreadable file either stops the "
+        "preparation with `path:LINE: reason` ('error'), or is left out ('skip'), counted in "
+        "manifest.json's `skipped_rows` and in a warning with the first one's reason.",
+    )
+    train_path: Path = Field(
+        Path("data/digits/train.parquet"),
+        description="Parquet file or directory with the training rows (relative to the "
+        "working directory).",
+    )
+    validation_path: Path = Field(
+        Path("data/digits/validation.parquet"),
+        description="Parquet file or directory with the validation rows.",
+    )
+    features_column: str = Field(
+        "features", description="Column holding each row's features as a list of numbers."
+    )
+    label_column: str = Field("label", description="Column holding the integer class label.")
+    validation_fraction: float = Field(
+        0.2,
+        gt=0.0,
+        lt=1.0,
+        description="Share of rows held out for validation when preparing a built-in dataset "
+        "(source 'files': of documents, at least one in each split).",
+    )
+    split_seed: int = Field(
+        0, description="Seed of the deterministic train/validation split of a built-in dataset."
+    )
+    max_bytes: int = Field(
+        1 << 19,
+        ge=1024,
+        description="python-stdlib: how many bytes of source text to take (whole files, in "
+        "sorted path order).",
+    )
+    cache: bool = Field(
+        True,
+        description="Materialise both splits in Ray's object store once, instead of re-reading "
+        "Parquet every epoch. Turn off for datasets larger than the object store.",
+    )
+    feed: Literal["auto", "memory", "ray_data"] = Field(
+        "auto",
+        description="How workers read the splits. 'memory': the driver puts each split in "
+        "Ray's object store as two arrays and every worker takes its rows of each global batch "
+        "(no Ray Data actors to start: seconds less per job). 'ray_data': Ray Data streams "
+        "them (sharded across data-parallel workers), for data of any size. 'auto': memory "
+        "when cache is on and the two splits together are at most 64 MB on disk.",
+    )
+
+    @model_validator(mode="after")
+    def _memory_feed_is_cached(self) -> DataConfig:
+        if self.feed == "memory" and not self.cache:
+            raise ValueError(
+                "data.feed 'memory' holds the splits in the object store, which data.cache: "
+                "false turns off; set cache: true or feed: ray_data"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_files(self) -> DataConfig:
+        tokenizer = self.tokenizer
+        if isinstance(tokenizer, str) and tokenizer != "bytes" and not tokenizer.endswith(".json"):
+            raise ValueError(
+                f"data.tokenizer {tokenizer!r}: expected 'bytes', a path to a tokenizer.json, or "
+                "{train: {vocab_size: N}}"
+            )
+        if self.source == "files" and not self.files:
+            raise ValueError("data.source 'files' needs data.files (paths or globs)")
+        if self.source != "files" and (self.files or tokenizer != "bytes"):
+            raise ValueError(
+                f"data.files and data.tokenizer are read with data.source 'files', not "
+                f"'{self.source}'"
+            )
+        return self

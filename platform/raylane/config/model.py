@@ -1,0 +1,140 @@
+"""`model:`: the architecture (the classifiers, raylane's GPT, a Llama-family decoder built
+from its hyperparameters or a Hugging Face checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from raylane.config.strict import StrictModel
+
+DIGITS_FEATURES = 64
+DIGITS_CLASSES = 10
+
+
+class ModelConfig(StrictModel):
+    kind: Literal["mlp", "cnn", "gpt", "llama"] = Field(
+        "mlp",
+        description="Architecture: 'mlp' (fully connected), 'cnn' (convolutions over a square "
+        "image; more compute per parameter), 'gpt' (byte-level decoder-only transformer) or "
+        "'llama' (a Llama-family decoder: grouped-query attention, rotary positions, SwiGLU; "
+        "random, or a Hugging Face checkpoint's with `pretrained`).",
+    )
+    input_dim: int = Field(
+        DIGITS_FEATURES,
+        ge=1,
+        description="Number of input features per row (gpt, llama: tokens per sequence; llama "
+        "with `pretrained`: at most the checkpoint's max_position_embeddings).",
+    )
+    num_classes: int = Field(
+        DIGITS_CLASSES,
+        ge=2,
+        description="Number of output classes (gpt, llama: vocabulary size; llama with "
+        "`pretrained`: the checkpoint's vocab_size).",
+    )
+    d_model: int = Field(64, ge=1, description="gpt, llama: width of the residual stream.")
+    n_heads: int = Field(4, ge=1, description="gpt, llama: attention (query) heads per block.")
+    n_layers: int = Field(4, ge=1, description="gpt, llama: transformer blocks.")
+    pretrained: Path | None = Field(
+        None,
+        description="llama: a Hugging Face model directory (config.json with model_type llama, "
+        "mistral or qwen2, and safetensors weights) to start from. Its config.json decides the "
+        "architecture: d_model, n_heads, n_layers and the llama fields below are then not read.",
+    )
+    n_kv_heads: int | None = Field(
+        None,
+        ge=1,
+        description="llama: key/value heads per block, each shared by n_heads / n_kv_heads "
+        "query heads (grouped-query attention). None: n_heads (multi-head attention).",
+    )
+    ffn_dim: int | None = Field(
+        None,
+        ge=1,
+        description="llama: hidden width of the SwiGLU MLP. None: 8/3 of d_model rounded up to "
+        "a multiple of 64 (about the parameters of a 4 x d_model two-matrix MLP).",
+    )
+    rope_theta: float = Field(
+        10000.0, gt=0.0, description="llama: base of the rotary position embedding's angles."
+    )
+    rms_norm_eps: float = Field(
+        1e-5, gt=0.0, description="llama: epsilon of the RMS norms, for numerical safety."
+    )
+    tie_embeddings: bool = Field(
+        False, description="llama: the output head reuses the token embedding matrix."
+    )
+    qkv_bias: bool = Field(
+        False,
+        description="llama: biases on the query, key and value projections (Qwen2's layout; "
+        "exported as a qwen2 checkpoint).",
+    )
+    hidden_sizes: list[int] = Field(
+        default_factory=lambda: [128, 128],
+        min_length=1,
+        description="MLP: width of each hidden layer. CNN: channels of each conv layer.",
+    )
+    input_scale: float = Field(
+        16.0,
+        gt=0.0,
+        description="Inputs are divided by this inside the model, so clients send raw values "
+        "(digits pixels are 0-16).",
+    )
+
+    @model_validator(mode="after")
+    def _check_shape(self) -> ModelConfig:
+        if any(h < 1 for h in self.hidden_sizes):
+            raise ValueError("every entry of hidden_sizes must be at least 1")
+        if self.kind in ("gpt", "llama") and self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
+            )
+        if self.kind == "cnn" and math.isqrt(self.input_dim) ** 2 != self.input_dim:
+            raise ValueError(
+                f"kind 'cnn' needs a square image, but input_dim={self.input_dim} is not a "
+                "perfect square"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_llama(self) -> ModelConfig:
+        if self.kind != "llama":
+            if self.pretrained is not None:
+                raise ValueError(f"model.pretrained is read by kind 'llama', not '{self.kind}'")
+            return self
+        if self.pretrained is not None:
+            return self._check_pretrained(self.pretrained)
+        kv_heads = self.n_kv_heads or self.n_heads
+        if self.n_heads % kv_heads:
+            raise ValueError(
+                f"model.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({kv_heads}): "
+                "query heads share key/value heads in equal groups"
+            )
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError(
+                f"model.d_model / n_heads ({self.d_model // self.n_heads}) must be even: rotary "
+                "embeddings turn pairs of dimensions"
+            )
+        return self
+
+    def _check_pretrained(self, directory: Path) -> ModelConfig:
+        """The checkpoint's vocabulary is the classes; its context bounds the training one.
+        Only sizes are read here (the architecture is checked when the model is built)."""
+        path = directory / "config.json"
+        if not path.is_file():
+            raise ValueError(f"model.pretrained: {path} not found (a Hugging Face model directory)")
+        raw = json.loads(path.read_text())
+        vocab, context = raw.get("vocab_size"), raw.get("max_position_embeddings")
+        if self.num_classes != vocab:
+            raise ValueError(
+                f"model.num_classes is {self.num_classes} but {path} has vocab_size {vocab}; "
+                f"set model.num_classes: {vocab}"
+            )
+        if context is not None and self.input_dim > context:
+            raise ValueError(
+                f"model.input_dim {self.input_dim} is longer than {path}'s "
+                f"max_position_embeddings {context}"
+            )
+        return self

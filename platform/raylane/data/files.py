@@ -1,0 +1,215 @@
+"""`data.source: files`: the user's text and JSONL files prepared as token windows in Parquet.
+
+The splits are written with a manifest.json beside the training split (every source file with
+its sha256 and size, the tokenizer, the counts) and, for a BPE or a given tokenizer.json, the
+tokenizer itself as tokenizer.json. The manifest also keeps a fingerprint of what the splits
+were built from: the data fields, model.input_dim and the bytes of every source and tokenizer
+file. Preparing again when the fingerprint is the same does nothing; any change re-prepares.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from raylane.config import RaylaneConfig
+from raylane.data.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
+from raylane.data.corpus import Corpus, file_format, read_corpus, resolve_files
+from raylane.data.errors import DataError
+from raylane.data.packing import Packed, pack, split_documents
+from raylane.data.prepare import write_split
+from raylane.data.text import MANIFEST
+from raylane.data.tokenizer import (
+    BYTES,
+    END_OF_TEXT,
+    Tokenizer,
+    check_vocabulary,
+    load_tokenizer,
+    train_bpe,
+)
+
+#: The tokenizer beside the splits (none for bytes).
+TOKENIZER_FILE = "tokenizer.json"
+#: Bumped when the same inputs would be prepared differently: the fingerprint changes with it.
+PREPARATION_VERSION = 1
+#: Data fields that do not change the prepared rows.
+_UNUSED_FIELDS = {"cache", "feed", "max_bytes"}
+
+log = logging.getLogger("raylane")
+
+
+@dataclass(frozen=True)
+class Sources:
+    """What a preparation reads: the files, each `{path, sha256, bytes}`, and the fingerprint."""
+
+    files: list[Path]
+    entries: list[dict]
+    fingerprint: str
+
+
+def file_entry(path: Path) -> dict:
+    """`{path, sha256, bytes}` of a file."""
+    digest = hashlib.sha256()
+    with Path(path).open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return {"path": str(path), "sha256": digest.hexdigest(), "bytes": Path(path).stat().st_size}
+
+
+def given_tokenizer_path(cfg: RaylaneConfig) -> Path | None:
+    """The tokenizer.json `data.tokenizer` names, None for 'bytes' or a BPE to train."""
+    spec = cfg.data.tokenizer
+    return Path(spec) if isinstance(spec, str) and spec != "bytes" else None
+
+
+def find_sources(cfg: RaylaneConfig) -> Sources:
+    """The files `data.files` names (an error for a glob that matches none) and the
+    fingerprint of everything the prepared splits depend on."""
+    files = resolve_files(cfg.data.files)
+    entries = [file_entry(path) for path in files]
+    tokenizer = given_tokenizer_path(cfg)
+    beside = () if tokenizer is None else (tokenizer, tokenizer.parent / "tokenizer_config.json")
+    record = {
+        "version": PREPARATION_VERSION,
+        "data": cfg.data.model_dump(mode="json", exclude=_UNUSED_FIELDS),
+        "context_length": cfg.model.input_dim,
+        "files": entries,
+        "tokenizer_files": [file_entry(path) for path in beside if path.is_file()],
+    }
+    fingerprint = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
+    return Sources(files, entries, fingerprint)
+
+
+def stale_sources(cfg: RaylaneConfig) -> Sources | None:
+    """The sources when the splits must be (re)prepared: missing, or built from anything else
+    (a manifest with another fingerprint); None when they are up to date."""
+    sources = find_sources(cfg)
+    data = cfg.data
+    manifest = Path(data.train_path).parent / MANIFEST
+    if Path(data.train_path).exists() and Path(data.validation_path).exists():
+        try:
+            recorded = json.loads(manifest.read_text()).get("fingerprint")
+        except (OSError, ValueError, AttributeError):
+            recorded = None
+        if recorded == sources.fingerprint:
+            return None
+    return sources
+
+
+def prepare_files(cfg: RaylaneConfig, sources: Sources | None = None) -> tuple[int, int]:
+    """Read, split, tokenize and pack the files; write both splits, the tokenizer and the
+    manifest. Returns the windows of each split."""
+    data, context = cfg.data, cfg.model.input_dim
+    sources = sources or find_sources(cfg)
+    given_path = given_tokenizer_path(cfg)
+    given = None if given_path is None else load_tokenizer(given_path)
+    if given is not None:
+        check_vocabulary(given, cfg.model.num_classes)
+    template, template_origin = _chat_template(cfg, given)
+    corpus = read_corpus(sources.files, data, template.pieces)
+    train_docs, validation_docs = split_documents(
+        corpus.documents, data.validation_fraction, data.split_seed
+    )
+    tokenizer = given or _tokenizer_for(cfg, [document.text for document in train_docs])
+    check_vocabulary(tokenizer, cfg.model.num_classes)
+    splits = {
+        "train": pack(train_docs, tokenizer, context),
+        "validation": pack(validation_docs, tokenizer, context),
+    }
+    for name, packed in splits.items():
+        _check_windows(cfg, name, packed)
+    manifest_path = Path(data.train_path).parent / MANIFEST
+    manifest_path.unlink(missing_ok=True)  # no fingerprint vouches for half-written splits
+    for name, path in (("train", data.train_path), ("validation", data.validation_path)):
+        write_split(path, splits[name].inputs, splits[name].labels, data)
+    _write_tokenizer(Path(data.train_path).parent / TOKENIZER_FILE, tokenizer)
+    manifest = _manifest(cfg, sources, corpus, tokenizer, splits)
+    manifest["chat_template"] = template_origin
+    manifest["documents"] = {"train": len(train_docs), "validation": len(validation_docs)}
+    manifest_path.write_text(json.dumps(manifest, indent=2))
+    if corpus.skipped:
+        count = len(corpus.skipped)
+        log.warning(
+            "data.files: skipped %d bad row%s (data.on_bad_rows: skip); the first: %s",
+            count,
+            "" if count == 1 else "s",
+            corpus.skipped[0],
+        )
+    return len(splits["train"].inputs), len(splits["validation"].inputs)
+
+
+def _chat_template(cfg: RaylaneConfig, given: Tokenizer | None) -> tuple[ChatTemplate, dict]:
+    """The template chat rows are rendered with, and where it came from (for the manifest):
+    data.chat_template, else a given tokenizer's tokenizer_config.json, else raylane's."""
+    configured = cfg.data.chat_template
+    if configured is not None:
+        source, origin = configured, "data.chat_template"
+    elif given is not None and given.chat_template is not None:
+        source, origin = given.chat_template, "tokenizer_config.json"
+    else:
+        source, origin = DEFAULT_CHAT_TEMPLATE, "default"
+    if given is not None:
+        eos, bos = given.eot_token, given.bos_token
+    else:
+        eos, bos = (BYTES.eot_token if cfg.data.tokenizer == "bytes" else END_OF_TEXT), ""
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    return ChatTemplate(source, bos_token=bos, eos_token=eos), {"from": origin, "sha256": digest}
+
+
+def _tokenizer_for(cfg: RaylaneConfig, train_texts: list[str]) -> Tokenizer:
+    """Bytes, or a BPE trained on the training split's documents."""
+    spec = cfg.data.tokenizer
+    return BYTES if spec == "bytes" else train_bpe(train_texts, spec.train.vocab_size)
+
+
+def _check_windows(cfg: RaylaneConfig, name: str, packed: Packed) -> None:
+    if len(packed.inputs):
+        return
+    hint = " or raise data.validation_fraction" if name == "validation" else ""
+    raise DataError(
+        f"data.files: the {name} split's {packed.tokens} tokens make no window of "
+        f"model.input_dim {cfg.model.input_dim} (+1) with a learnt label; add documents{hint}"
+    )
+
+
+def _write_tokenizer(path: Path, tokenizer: Tokenizer) -> None:
+    """The tokenizer beside the splits; for bytes none (and none left from an earlier one)."""
+    content = tokenizer.file_bytes()
+    if content is None:
+        path.unlink(missing_ok=True)
+        return
+    tmp = path.with_suffix(".tmp")
+    tmp.write_bytes(content)
+    tmp.replace(path)
+
+
+def _manifest(
+    cfg: RaylaneConfig,
+    sources: Sources,
+    corpus: Corpus,
+    tokenizer: Tokenizer,
+    splits: dict[str, Packed],
+) -> dict:
+    files = [
+        {**entry, "format": file_format(path, cfg.data.format)}
+        for path, entry in zip(sources.files, sources.entries, strict=True)
+    ]
+    described = tokenizer.describe()
+    if tokenizer.kind != "bytes":
+        described["saved_as"] = TOKENIZER_FILE
+    return {
+        "source": "files",
+        "fingerprint": sources.fingerprint,
+        "files": files,
+        "tokenizer": described,
+        "context_length": cfg.model.input_dim,
+        "tokens": {name: packed.tokens for name, packed in splits.items()},
+        "windows": {name: len(packed.inputs) for name, packed in splits.items()},
+        "masked_tokens": {name: packed.masked for name, packed in splits.items()},
+        "unlearnt_windows": {name: packed.unlearnt_windows for name, packed in splits.items()},
+        "skipped_rows": len(corpus.skipped),
+        "first_skipped": corpus.skipped[0] if corpus.skipped else None,
+    }
