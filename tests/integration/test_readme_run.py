@@ -65,6 +65,7 @@ FINETUNE = block("raylane finetune")
 OPENAI_CLIENT = block("for chunk in client.completions.create(")
 ADAPTERS_CLIENT = block('for model in ["pylm", "pylm:raylane-lm-lora/1"')
 JOBS = block("ray job submit")
+YOUR_MODEL = block("python tools/tiny_checkpoint.py")
 
 
 def test_every_runnable_block_is_run_here():
@@ -299,6 +300,28 @@ class TestOnARunningCluster:
         )
         # Code, data, versions, cluster, config, final metrics and weights all agree.
         assert f"runs {original} and {again} agree in" in compare, compare
+
+    def test_your_data_and_model_block(self, on_cluster):
+        """A Hugging Face checkpoint made here, fine-tuned on chat JSONL with its tokenizer."""
+        copy, env, _ = on_cluster
+        run = _ok(run_block(YOUR_MODEL, copy, env, timeout_s=600), YOUR_MODEL.where)
+        train = run.command("raylane train").output
+        assert "epoch 3/3" in train, train[-3000:]
+        run_id = re.search(r"MLflow run ([0-9a-f]{32})", train).group(1)
+        client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
+        # Counted on the assistant's tokens alone, the loss fell far below a uniform guess.
+        val_loss = client.get_run(run_id).data.metrics["val_loss"]
+        assert val_loss < 0.5 * math.log(512), val_loss
+        given = copy / "checkpoints" / "tiny-llama" / "tokenizer.json"
+        logged = Path(client.download_artifacts(run_id, "data/tokenizer.json"))
+        assert logged.read_bytes() == given.read_bytes()  # the checkpoint's own tokenizer
+        manifest = json.loads(
+            Path(client.download_artifacts(run_id, "data/manifest.json")).read_text()
+        )
+        assert manifest["files"][0]["path"] == "examples/chat/arithmetic.jsonl"
+        assert manifest["chat_template"]["from"] == "tokenizer_config.json"
+        # Most of each row (system and user turns, the template's markers) is masked.
+        assert manifest["masked_tokens"]["train"] > manifest["tokens"]["train"] / 2, manifest
 
     def test_generation_train_block(self, on_cluster):
         copy, env, _ = on_cluster

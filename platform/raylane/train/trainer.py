@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from raylane.config import RaylaneConfig
+from raylane.config.loader import with_absolute_paths
 from raylane.train.worker_spec import DriverLink, WorkerSpec
 
 # Ray Train's controller checks on its workers every 2 s by default, and each change of state
@@ -141,10 +142,7 @@ def _run_dir(cfg: RaylaneConfig, run_name: str) -> Path:
 
 def _worker_config(cfg: RaylaneConfig) -> dict:
     """The config as workers see it: paths made absolute (workers run elsewhere)."""
-    tree = cfg.model_dump(mode="json")
-    if cfg.training.resume_from is not None:
-        tree["training"]["resume_from"] = str(Path(cfg.training.resume_from).resolve())
-    return tree
+    return with_absolute_paths(cfg).model_dump(mode="json")
 
 
 def _ordered_ingest_options():
