@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from raylane.config import load_config
+from raylane.config.loader import with_absolute_paths
 from raylane.train.trainer import _worker_config
 from raylane.train.worker_spec import DriverLink, WorkerSpec
 from tests.readme_blocks import ROOT
@@ -41,7 +42,7 @@ def test_a_spec_round_trips_through_pickle_with_its_config_and_link_intact():
     )
     back = pickle.loads(pickle.dumps(spec))
     assert back == spec
-    assert back.config == cfg.model_dump(mode="json")
+    assert back.config == with_absolute_paths(cfg).model_dump(mode="json")
     assert back.config["training"]["lr"] == 0.0123
     assert back.driver_code == {"code_digest": "d1g35t", "code_path": "/src/raylane"}
     assert back.base_state == ("weights", 42)
@@ -56,10 +57,13 @@ def test_the_validated_config_is_the_drivers_with_paths_made_absolute(tmp_path, 
     on_worker = spec.raylane_config()
     resolved = (tmp_path / "ckpt" / "epoch_0003").resolve()
     assert Path(on_worker.training.resume_from) == resolved
-    assert on_worker.model_copy(update={"training": cfg.training}) == cfg
-    assert on_worker.training.model_dump(exclude={"resume_from"}) == cfg.training.model_dump(
-        exclude={"resume_from"}
-    )
+    # Every path absolute (workers run in another directory), every other value the driver's.
+    assert Path(on_worker.data.train_path) == (tmp_path / cfg.data.train_path).resolve()
+    assert Path(on_worker.training.storage_path).is_absolute()
+    assert on_worker == with_absolute_paths(cfg)
+    assert on_worker.training.model_dump(
+        exclude={"resume_from", "storage_path"}
+    ) == cfg.training.model_dump(exclude={"resume_from", "storage_path"})
 
 
 def test_driver_fields_a_trial_does_not_set_read_as_none():

@@ -27,13 +27,56 @@ app = typer.Typer(
 )
 console = Console(stderr=True)
 
+
+def _print_version(value: bool) -> None:
+    """`raylane --version`: raylane's version and those of what it runs on, without importing
+    them (the installed distributions' metadata)."""
+    if not value:
+        return
+    from importlib.metadata import PackageNotFoundError, version
+
+    def installed(name: str) -> str:
+        try:
+            return version(name)
+        except PackageNotFoundError:
+            return "not installed"
+
+    others = ", ".join(f"{name} {installed(name)}" for name in ("ray", "torch", "mlflow"))
+    print(f"raylane {installed('raylane')} ({others})")
+    raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool,
+        typer.Option(
+            "--version",
+            is_eager=True,
+            callback=_print_version,
+            help="Print raylane's version, and Ray's, torch's and MLflow's, then exit.",
+        ),
+    ] = False,
+) -> None:
+    pass
+
+
 ConfigOption = Annotated[
     Path, typer.Option("--config", "-c", help="Run config YAML (see configs/).")
 ]
-SetOption = Annotated[
-    list[str] | None,
-    typer.Option("--set", "-s", help="Override a field: --set training.epochs=3 (repeatable)."),
-]
+
+
+def _set_option(example: str):
+    """The repeatable `--set KEY.PATH=VALUE` option, its help showing a key of this command."""
+    return Annotated[
+        list[str] | None,
+        typer.Option("--set", "-s", help=f"Override a field: --set {example} (repeatable)."),
+    ]
+
+
+SetOption = _set_option("training.epochs=3")  # a run config's
+TuneSetOption = _set_option("trial.epochs=3")  # a search spec's
+ServingSetOption = _set_option("serving.port=8001")  # a run config's, for its endpoint
 VerboseOption = Annotated[
     bool,
     typer.Option(

@@ -11,6 +11,7 @@ from rich.console import Console
 from raylane.cli.common import (
     DEFAULT_CONFIG,
     SetOption,
+    TuneSetOption,
     VerboseOption,
     app,
     console,
@@ -27,7 +28,7 @@ def tune(
     config: Annotated[
         Path, typer.Option("--config", "-c", help="Search spec YAML (see configs/tune/).")
     ] = Path("configs/tune/parallelism.yaml"),
-    overrides: SetOption = None,
+    overrides: TuneSetOption = None,
     verbose: VerboseOption = False,
 ) -> None:
     """Search parallelism layouts with Ray Tune on measured throughput; emit the best config.

@@ -12,7 +12,7 @@ from rich.console import Console
 from raylane.cli.common import (
     DEFAULT_CONFIG,
     ConfigOption,
-    SetOption,
+    ServingSetOption,
     VerboseOption,
     VersionOption,
     app,
@@ -44,7 +44,7 @@ def serve_env(
 @app.command()
 def deploy(
     config: ConfigOption = DEFAULT_CONFIG,
-    overrides: SetOption = None,
+    overrides: ServingSetOption = None,
     version: VersionOption = None,
     detach: Annotated[
         bool, typer.Option(help="Return once deployed, leaving the app on the cluster.")
@@ -104,7 +104,7 @@ def _print_endpoint(cfg: RaylaneConfig, url: str) -> None:
 def generate(
     prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text to continue.")],
     config: ConfigOption = Path("configs/train/lm_serve.yaml"),
-    overrides: SetOption = None,
+    overrides: ServingSetOption = None,
     version: VersionOption = None,
     max_tokens: Annotated[int, typer.Option(help="Bytes to generate at most.")] = 128,
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.8,
@@ -167,7 +167,7 @@ def _version_override(version: int | None) -> list[str]:
 def promote(
     version: Annotated[int, typer.Argument(min=1, help="Registry version to give the alias.")],
     config: ConfigOption = DEFAULT_CONFIG,
-    overrides: SetOption = None,
+    overrides: ServingSetOption = None,
 ) -> None:
     """Move the champion alias to VERSION; a running app (at $RAY_ADDRESS) rolls onto it."""
     setup_logging()
@@ -197,7 +197,7 @@ def promote(
 
 
 @app.command()
-def status(config: ConfigOption = DEFAULT_CONFIG, overrides: SetOption = None) -> None:
+def status(config: ConfigOption = DEFAULT_CONFIG, overrides: ServingSetOption = None) -> None:
     """Serve applications, deployments, replica counts and served model versions (needs
     RAY_ADDRESS: a running cluster)."""
     cfg = load(config, overrides)

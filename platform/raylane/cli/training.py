@@ -28,9 +28,22 @@ from raylane.config import ConfigError, RaylaneConfig
 
 @app.command()
 def validate(config: ConfigOption = DEFAULT_CONFIG, overrides: SetOption = None) -> None:
-    """Check a config and print it fully resolved (defaults filled in)."""
+    """Check a config, or a search spec (configs/tune/), and print it fully resolved (defaults
+    filled in)."""
     from raylane.config.loader import config_to_yaml
+    from raylane.tune.spec import is_search_spec
 
+    if is_search_spec(config):
+        import yaml
+
+        from raylane.tune.spec import load_spec
+
+        try:
+            spec = load_spec(config, overrides or [])
+        except ConfigError as exc:
+            raise fail(str(exc)) from None
+        sys.stdout.write(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
+        return
     cfg = load(config, overrides)
     sys.stdout.write(config_to_yaml(cfg))
 

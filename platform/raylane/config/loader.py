@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
+import json
+import types
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -49,25 +52,90 @@ def _apply_override(tree: dict[str, Any], dotted: str, value: Any, source: str) 
     node[leaf] = value
 
 
-def _format_validation_error(source: str, exc: ValidationError) -> str:
-    problems = []
+def _format_validation_error(
+    source: str,
+    exc: ValidationError,
+    schema: type[BaseModel] = RaylaneConfig,
+    overrides: dict[str, str] | None = None,
+) -> str:
+    """One line: an unknown key an override introduced blames that override (`--set` and its
+    text, from `overrides`: dotted key -> `key=value`); every other problem names `source`.
+    Unknown keys come with the closest valid keys of their section."""
+    blamed, problems = [], []
     for err in exc.errors():
         field = ".".join(str(part) for part in err["loc"])
         message = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            message = "unknown key"
+            hint = _suggestion(schema, err["loc"])
+            override = _override_of(field, overrides or {})
+            if override is not None:
+                blamed.append(f"--set {override}: unknown key {field}{hint}")
+                continue
+            message = f"unknown key{hint}"
         problems.append(f"{field}: {message}" if field else message)
-    return f"{source}: " + "; ".join(problems)
+    if problems:
+        blamed.append(f"{source}: " + "; ".join(problems))
+    return "; ".join(blamed)
+
+
+def _override_of(field: str, overrides: dict[str, str]) -> str | None:
+    """The override that put `field` (an unknown key) into the config, if one did."""
+    for dotted, text in overrides.items():
+        if dotted == field or dotted.startswith(f"{field}."):
+            return text
+    return None
+
+
+def _suggestion(schema: type[BaseModel], loc: tuple[Any, ...]) -> str:
+    """` (did you mean a.b?)`: the valid keys of the unknown key's section closest to it."""
+    models: list[type[BaseModel]] = [schema]
+    for part in loc[:-1]:
+        fields = [m.model_fields[part] for m in models if part in m.model_fields]
+        models = [m for f in fields for m in _models_in(f.annotation)]
+        if not models:
+            return ""
+    prefix = "".join(f"{part}." for part in loc[:-1])
+    keys = sorted({key for model in models for key in _dotted_keys(model)})
+    own = [key for key in keys if "." not in key]  # the section's own keys first, then deeper
+    close = difflib.get_close_matches(str(loc[-1]), own, n=3) or difflib.get_close_matches(
+        str(loc[-1]), keys, n=3
+    )
+    return f" (did you mean {' or '.join(prefix + key for key in close)}?)" if close else ""
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models a field holds: `Section`, `Section | None`, `A | B`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    if get_origin(annotation) in (Union, types.UnionType):
+        return [model for arg in get_args(annotation) for model in _models_in(arg)]
+    return []
+
+
+def _dotted_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
+    """Every key of `model` and of its sections, dotted: `epochs`, `generation.speculate`..."""
+    keys = []
+    for name, field in model.model_fields.items():
+        keys.append(prefix + name)
+        for section in _models_in(field.annotation):
+            keys.extend(_dotted_keys(section, f"{prefix}{name}."))
+    return keys
 
 
 def validate_config(
-    tree: dict[str, Any], source: str = "<config>", schema: type[M] = RaylaneConfig
+    tree: dict[str, Any],
+    source: str = "<config>",
+    schema: type[M] = RaylaneConfig,
+    overrides: dict[str, str] | None = None,
 ) -> M:
-    """Validate a config mapping; raise ConfigError with a one-line message on failure."""
+    """Validate a config mapping; raise ConfigError with a one-line message on failure.
+
+    `overrides` (dotted key -> `key=value` as given) are those applied to `tree`: an unknown
+    key one of them introduced is blamed on it rather than on `source`."""
     try:
         return schema.model_validate(tree)
     except ValidationError as exc:
-        raise ConfigError(_format_validation_error(source, exc)) from None
+        raise ConfigError(_format_validation_error(source, exc, schema, overrides)) from None
 
 
 def load_config(
@@ -83,7 +151,13 @@ def load_config(
     """
     path = Path(path)
     if isinstance(overrides, list):
+        texts = {item.partition("=")[0].strip(): item.strip() for item in overrides}
         overrides = parse_overrides(overrides)
+    else:
+        texts = {
+            key: f"{key}={json.dumps(value, default=str)}"
+            for key, value in (overrides or {}).items()
+        }
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
     try:
@@ -96,7 +170,7 @@ def load_config(
         raise ConfigError(f"{path}: expected a mapping of sections, got {type(tree).__name__}")
     for dotted, value in (overrides or {}).items():
         _apply_override(tree, dotted, value, str(path))
-    return validate_config(tree, str(path), schema)
+    return validate_config(tree, str(path), schema, texts)
 
 
 def config_to_yaml(config: RaylaneConfig) -> str:
