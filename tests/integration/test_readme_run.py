@@ -322,6 +322,22 @@ class TestOnARunningCluster:
         assert manifest["chat_template"]["from"] == "tokenizer_config.json"
         # Most of each row (system and user turns, the template's markers) is masked.
         assert manifest["masked_tokens"]["train"] > manifest["tokens"]["train"] / 2, manifest
+        imported = client.get_model_version("tiny-llama", "1")
+        assert imported.tags["raylane.source_path"] == str(given.parent)
+        # The fine-tuned model exported (export checks its weights against the run's digest)
+        # is one transformers loads, with the same logits as raylane's model of that directory.
+        import torch
+        import transformers
+
+        from raylane.models.hf_checkpoint import load_pretrained
+
+        out = copy / "exported" / "llama-chat"
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(out)
+        tokens = torch.tensor([[1, 2, 3, 4]])
+        with torch.no_grad():
+            gap = (theirs(tokens).logits - load_pretrained(out)(tokens)).abs().max().item()
+        assert gap <= 1e-4, gap
+        assert (out / "tokenizer.json").read_bytes() == given.read_bytes()
 
     def test_generation_train_block(self, on_cluster):
         copy, env, _ = on_cluster

@@ -9,7 +9,7 @@ from importlib import import_module
 
 from raylane.cli.common import app
 
-for _commands in ("training", "serving", "planning", "runs"):
+for _commands in ("training", "serving", "planning", "runs", "models"):
     import_module(f"raylane.cli.{_commands}")
 
 

@@ -1,0 +1,258 @@
+"""Hugging Face checkpoints in and out of the Model Registry (`raylane import`, `raylane export`).
+
+Import logs a checkpoint directory, as it is, as the `checkpoint/` artifacts of a run of the
+`imports` experiment and registers that directory as a new version, tagged `raylane.kind`
+hf-checkpoint, with the directory it came from and the sha256 of its weight files (each file's
+own digest is in the run's `checkpoint_files.json`).
+
+Export writes a Hugging Face directory for a registered version: an imported one is its
+`checkpoint/` artifacts again, byte for byte; one trained by raylane with `model.kind: llama` is
+rebuilt from its run's recorded `model:` section and the weights of the version's logged model
+(the torch.export program the run registered: what `raylane serve` serves), checked against the
+run's `raylane.weights_digest`, and written by `hf_checkpoint.save_pretrained` with the tokenizer
+files of its `model.pretrained` directory (when it is still there) and the run's logged
+`data/tokenizer.json`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from raylane.config.schema import ModelConfig
+    from raylane.models.llama import LlamaForCausalLM
+
+IMPORT_EXPERIMENT = "imports"
+CHECKPOINT_DIR = "checkpoint"
+FILES_ARTIFACT = "checkpoint_files.json"
+KIND_TAG, SOURCE_TAG, SHA_TAG = "raylane.kind", "raylane.source_path", "raylane.weights_sha256"
+HF_KIND = "hf-checkpoint"
+RUN_TOKENIZER = "data/tokenizer.json"
+
+
+class CheckpointError(ValueError):
+    """A directory or registered version cannot be imported or exported (one line saying why)."""
+
+
+@dataclass(frozen=True)
+class Imported:
+    name: str
+    version: int
+    run_id: str
+    source: Path
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Exported:
+    directory: Path
+    name: str
+    version: int
+    kind: str  # HF_KIND, or "llama" for a version raylane trained
+
+
+def weights_sha256(directory: str | Path) -> tuple[str, dict[str, str]]:
+    """sha256 over the weight files' bytes in sorted name order, and each file's own sha256.
+
+    Raises:
+        CheckpointError: no safetensors weights (or a shard the index names is missing).
+    """
+    from raylane.models.hf_checkpoint import weight_files
+
+    try:
+        files, _ = weight_files(directory)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    total, each = hashlib.sha256(), {}
+    for path in sorted(set(files.values()), key=lambda p: p.name):
+        digest = hashlib.sha256()
+        with path.open("rb") as handle:
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+                total.update(chunk)
+        each[path.name] = digest.hexdigest()
+    return total.hexdigest(), each
+
+
+def import_checkpoint(directory: str | Path, name: str, tracking_uri: str) -> Imported:
+    """Log `directory` (a Hugging Face checkpoint raylane reads) into a new run of the
+    `imports` experiment and register it as a new version of `name`.
+
+    Raises:
+        CheckpointError: not a directory, or not a checkpoint raylane reads (naming the file).
+    """
+    from mlflow.entities import Param
+    from mlflow.tracking import MlflowClient
+
+    from raylane.models.hf_checkpoint import read_config
+
+    directory = Path(directory).resolve()
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: not a directory (a Hugging Face checkpoint)")
+    try:
+        cfg = read_config(directory)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    sha256, each = weights_sha256(directory)
+    params = {"model_type": cfg.model_type, "hidden_size": cfg.d_model,
+              "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+              "num_key_value_heads": cfg.n_kv_heads, "vocab_size": cfg.vocab_size}  # fmt: skip
+    tags = {SOURCE_TAG: str(directory), SHA_TAG: sha256}
+    client = MlflowClient(tracking_uri=tracking_uri)
+    experiment = client.get_experiment_by_name(IMPORT_EXPERIMENT)
+    experiment_id = (
+        experiment.experiment_id if experiment else client.create_experiment(IMPORT_EXPERIMENT)
+    )
+    run_id = client.create_run(
+        experiment_id, run_name=f"import-{directory.name}", tags=tags
+    ).info.run_id
+    try:
+        client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
+        client.log_artifacts(run_id, str(directory), CHECKPOINT_DIR)
+        client.log_dict(run_id, {"weights_sha256": sha256, "files": each}, FILES_ARTIFACT)
+    except BaseException:
+        client.set_terminated(run_id, "FAILED")
+        raise
+    client.set_terminated(run_id)
+    if not client.search_registered_models(f"name = '{name}'"):
+        client.create_registered_model(name)
+    version = client.create_model_version(
+        name, f"runs:/{run_id}/{CHECKPOINT_DIR}", run_id, tags={KIND_TAG: HF_KIND, **tags}
+    )
+    return Imported(name, int(version.version), run_id, directory, sha256)
+
+
+def export_model(uri: str, directory: str | Path, tracking_uri: str) -> Exported:
+    """Write registered model `uri` (`models:/NAME/VERSION` or `models:/NAME@ALIAS`) as a
+    Hugging Face directory that `transformers.AutoModelForCausalLM.from_pretrained` loads.
+
+    Raises:
+        CheckpointError: not a model URI, `directory` holds files already, or the version is
+            neither an imported checkpoint nor a Llama-family model trained by raylane.
+        ModelNotFoundError: no such version or alias.
+    """
+    from mlflow.tracking import MlflowClient
+
+    from raylane.config.model_uri import parse_model_uri
+    from raylane.tracking.registry import resolve_version
+
+    try:
+        ref = parse_model_uri(uri)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
+    directory = Path(directory)
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise CheckpointError(f"{directory} exists and is not an empty directory")
+    client = MlflowClient(tracking_uri=tracking_uri)
+    found = resolve_version(client, tracking_uri, ref.name, ref.alias, ref.version)
+    version, tags = int(found.version), found.tags or {}
+    if tags.get(KIND_TAG) == HF_KIND:
+        _download_checkpoint(client, found.run_id, directory)
+        return Exported(directory, ref.name, version, HF_KIND)
+    named = f"models:/{ref.name}/{version}"
+    _refuse_adapter(named, tags)
+    model_cfg = _trained_model_config(client, found.run_id, named)
+    if model_cfg.kind != "llama":
+        article = "an" if model_cfg.kind == "mlp" else "a"
+        raise CheckpointError(
+            f"{named} is {article} {model_cfg.kind}; raylane export writes Llama-family models"
+        )
+    from raylane.models.hf_checkpoint import save_pretrained
+    from raylane.tracking.identity import weights_digest
+    from raylane.tracking.lineage import registered_state
+
+    model = trained_llama(model_cfg, registered_state(tracking_uri, ref.name, version))
+    recorded = client.get_run(found.run_id).data.tags.get("raylane.weights_digest")
+    if recorded and weights_digest(model.state_dict()) != recorded:
+        raise CheckpointError(
+            f"{named}: the logged model's weights are not the run's final weights "
+            f"(raylane.weights_digest {recorded[:12]})"
+        )
+    pretrained = model_cfg.pretrained
+    source = pretrained if pretrained is not None and Path(pretrained).is_dir() else None
+    save_pretrained(model, directory, source=source)
+    _copy_run_tokenizer(client, found.run_id, directory)
+    return Exported(directory, ref.name, version, "llama")
+
+
+def trained_llama(model_cfg: ModelConfig, state: dict) -> LlamaForCausalLM:
+    """The `LlamaForCausalLM` a run's `model:` section describes, holding `state` (its weights
+    by raylane's parameter names, a tied head's weight optional).
+
+    Raises:
+        CheckpointError: `state` is not that model's (a missing, unexpected or misshapen tensor).
+    """
+    import torch
+
+    from raylane.models.hf_checkpoint import read_config
+    from raylane.models.llama import LlamaForCausalLM, llama_config
+
+    if model_cfg.pretrained is not None:
+        cfg = read_config(model_cfg.pretrained)
+    else:
+        cfg = llama_config(model_cfg)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    state = dict(state)
+    if cfg.tie_embeddings and "head.weight" not in state and "tok_emb.weight" in state:
+        state["head.weight"] = state["tok_emb.weight"]
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:
+        reason = " ".join(str(exc).split("\n\t")[1:2]) or str(exc).splitlines()[0]
+        raise CheckpointError(
+            f"the logged weights do not fit the recorded model: {reason}"
+        ) from None
+    model.tie_weights()
+    return model.eval()
+
+
+def _download_checkpoint(client, run_id: str, directory: Path) -> None:
+    """The run's `checkpoint/` artifacts, moved into `directory`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as scratch:
+        downloaded = Path(client.download_artifacts(run_id, CHECKPOINT_DIR, scratch))
+        for entry in sorted(downloaded.iterdir()):
+            shutil.move(str(entry), directory / entry.name)
+
+
+def _refuse_adapter(named: str, tags: dict[str, str]) -> None:
+    from raylane.tracking.lineage import ADAPTER_TAG, BASE_MODEL_TAG, BASE_VERSION_TAG
+
+    if tags.get(ADAPTER_TAG):
+        raise CheckpointError(
+            f"{named} is a LoRA adapter of {tags.get(BASE_MODEL_TAG)} "
+            f"v{tags.get(BASE_VERSION_TAG)}; raylane export writes whole models"
+        )
+
+
+def _trained_model_config(client, run_id: str, named: str) -> ModelConfig:
+    """The `model:` section the version's run recorded."""
+    from mlflow.exceptions import MlflowException
+
+    from raylane.config import ConfigError
+    from raylane.tracking.lineage import recorded_model_config
+
+    try:
+        return recorded_model_config(client, run_id)
+    except (MlflowException, OSError):
+        raise CheckpointError(
+            f"{named} is neither an imported checkpoint nor trained by raylane (its run has "
+            "no config/resolved.yaml)"
+        ) from None
+    except ConfigError as exc:
+        raise CheckpointError(f"{named}: its run's config no longer loads: {exc}") from None
+
+
+def _copy_run_tokenizer(client, run_id: str, directory: Path) -> None:
+    """The tokenizer the run's data was tokenized with, when it logged one."""
+    folder, name = RUN_TOKENIZER.split("/")
+    if not any(item.path == RUN_TOKENIZER for item in client.list_artifacts(run_id, folder)):
+        return
+    with tempfile.TemporaryDirectory() as scratch:
+        shutil.copyfile(client.download_artifacts(run_id, RUN_TOKENIZER, scratch), directory / name)
