@@ -10,6 +10,10 @@ from pydantic import Field, model_validator
 
 from raylane.config.strict import StrictModel
 
+#: The formats of source 'files' that are tables, and the suffixes 'auto' reads as each.
+TABLE_FORMATS = ("csv", "parquet")
+TABLE_SUFFIXES = {".csv": "csv", ".parquet": "parquet"}
+
 
 class BpeTraining(StrictModel):
     vocab_size: int = Field(
@@ -37,8 +41,9 @@ class DataConfig(StrictModel):
         "language models) and 'python-stdlib-tests' (its test suite, `test/test_*.py`: text "
         "no 'python-stdlib' run has seen, for fine-tuning) are materialised to Parquet by "
         "`raylane prepare` (or on first use); 'files' prepares your text and JSONL files "
-        "(`files`) the same way, as token windows (again whenever they or the data fields "
-        "change); 'parquet' reads existing files you provide.",
+        "(`files`) the same way, as token windows, or your CSV and Parquet tables as feature "
+        "rows (again whenever they or the data fields change); 'parquet' reads existing files "
+        "you provide, each row's features in one list column.",
     )
     files: list[str] = Field(
         default_factory=list,
@@ -46,12 +51,19 @@ class DataConfig(StrictModel):
         "to the working directory, each of which must match a file; read in this order, each "
         "glob's matches sorted.",
     )
-    format: Literal["auto", "text", "jsonl"] = Field(
+    format: Literal["auto", "text", "jsonl", "csv", "parquet"] = Field(
         "auto",
         description="source 'files': 'text' (each file one document), 'jsonl' (a JSON object "
         "a line: `text`, `prompt` + `completion`, or chat `messages`, a list of `{role, "
-        "content}` with role system, user or assistant), or 'auto': by suffix, .txt .md .py "
-        ".rst text and .jsonl JSON lines.",
+        "content}` with role system, user or assistant), 'csv' or 'parquet' (a table: one "
+        "numeric column per feature and `label_column`'s integer class, for an mlp or cnn; "
+        "`model.input_dim` is the number of feature columns), or 'auto': by suffix, .txt .md "
+        ".py .rst text, .jsonl JSON lines, .csv and .parquet tables.",
+    )
+    feature_columns: list[str] | None = Field(
+        None,
+        description="source 'files', tables: the feature columns, in this order. None: every "
+        "column but `label_column`, in the first file's order.",
     )
     text_field: str = Field(
         "text", min_length=1, description="source 'files', JSONL: the key of a row's plain text."
@@ -76,9 +88,11 @@ class DataConfig(StrictModel):
     )
     on_bad_rows: Literal["error", "skip"] = Field(
         "error",
-        description="source 'files': a bad JSONL row or unreadable file either stops the "
-        "preparation with `path:LINE: reason` ('error'), or is left out ('skip'), counted in "
-        "manifest.json's `skipped_rows` and in a warning with the first one's reason.",
+        description="source 'files': a bad JSONL row, a table row with an empty, NaN or "
+        "infinite value (its LINE: a CSV file's line, the header line 1; a Parquet file's row, "
+        "from 1) or an unreadable file either stops the preparation with `path:LINE: reason` "
+        "('error'), or is left out ('skip'), counted in manifest.json's `skipped_rows` and in a "
+        "warning with the first one's reason.",
     )
     train_path: Path = Field(
         Path("data/digits/train.parquet"),
@@ -98,7 +112,7 @@ class DataConfig(StrictModel):
         gt=0.0,
         lt=1.0,
         description="Share of rows held out for validation when preparing a built-in dataset "
-        "(source 'files': of documents, at least one in each split).",
+        "(source 'files': of documents or table rows, at least one in each split).",
     )
     split_seed: int = Field(
         0, description="Seed of the deterministic train/validation split of a built-in dataset."
@@ -123,6 +137,15 @@ class DataConfig(StrictModel):
         "when cache is on and the two splits together are at most 64 MB on disk.",
     )
 
+    @property
+    def tabular(self) -> bool:
+        """Whether source 'files' reads tables: format 'csv' or 'parquet', or 'auto' with
+        every `files` pattern ending .csv or .parquet."""
+        if self.format in TABLE_FORMATS:
+            return True
+        suffixes = {Path(pattern).suffix.lower() for pattern in self.files}
+        return self.format == "auto" and bool(suffixes) and suffixes <= set(TABLE_SUFFIXES)
+
     @model_validator(mode="after")
     def _memory_feed_is_cached(self) -> DataConfig:
         if self.feed == "memory" and not self.cache:
@@ -139,6 +162,14 @@ class DataConfig(StrictModel):
             raise ValueError(
                 f"data.tokenizer {tokenizer!r}: expected 'bytes', a path to a tokenizer.json, or "
                 "{train: {vocab_size: N}}"
+            )
+        columns = self.feature_columns
+        if columns is not None and (
+            not columns or len(set(columns)) < len(columns) or self.label_column in columns
+        ):
+            raise ValueError(
+                f"data.feature_columns {columns}: expected distinct columns, at least one, "
+                f"without the label column {self.label_column!r}"
             )
         if self.source == "files" and not self.files:
             raise ValueError("data.source 'files' needs data.files (paths or globs)")

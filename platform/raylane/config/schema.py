@@ -201,8 +201,16 @@ class RaylaneConfig(StrictModel):
     @model_validator(mode="after")
     def _check_tokenizer_fits_model(self) -> RaylaneConfig:
         """Token data needs a language model with a class for every token; a given
-        tokenizer.json's vocabulary is checked when the files are prepared."""
+        tokenizer.json's vocabulary is checked when the files are prepared. Tables (csv,
+        parquet) need a classifier."""
         if self.data.source != "files":
+            return self
+        if self.data.tabular:
+            if self.model.kind not in ("mlp", "cnn"):
+                raise ValueError(
+                    f"data.files are tables (csv, parquet) of features and a class: model.kind "
+                    f"must be 'mlp' or 'cnn', not '{self.model.kind}'"
+                )
             return self
         if self.model.kind not in ("gpt", "llama"):
             raise ValueError(

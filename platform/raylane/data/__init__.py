@@ -1,5 +1,6 @@
-"""Datasets: preparation to Parquet (built-in sources, and the user's text and JSONL files as
-token windows), checks, digests, and Ray Data loading."""
+"""Datasets: preparation to Parquet (built-in sources, the user's text and JSONL files as token
+windows and their CSV and Parquet tables as feature rows), checks, digests, and Ray Data
+loading."""
 
 from raylane.data.errors import DataError
 from raylane.data.parquet import check_parquet, dataset_digest, ensure_dataset

@@ -10,18 +10,27 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from raylane.config import DataConfig
+from raylane.config.data import TABLE_SUFFIXES
 from raylane.data.chat import BadRow, Piece, json_type
 from raylane.data.errors import DataError
 
 #: Suffixes `data.format: auto` reads as text (one document per file), and as JSON lines.
 TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
 JSONL_SUFFIXES = (".jsonl",)
+#: What `data.format: auto` reads each suffix as, for messages.
+AUTO_FORMATS = (
+    f"data.format 'auto' reads {', '.join(TEXT_SUFFIXES)} as text, {', '.join(JSONL_SUFFIXES)} "
+    f"as JSON lines and {', '.join(TABLE_SUFFIXES)} as tables"
+)
+
+log = logging.getLogger("raylane")
 
 
 @dataclass(frozen=True)
@@ -63,7 +72,7 @@ def resolve_files(patterns: list[str]) -> list[Path]:
 
 
 def file_format(path: Path, configured: str) -> str:
-    """'text' or 'jsonl': `data.format`, or under 'auto' the file's suffix."""
+    """'text', 'jsonl', 'csv' or 'parquet': `data.format`, or under 'auto' the file's suffix."""
     if configured != "auto":
         return configured
     suffix = path.suffix.lower()
@@ -71,10 +80,21 @@ def file_format(path: Path, configured: str) -> str:
         return "text"
     if suffix in JSONL_SUFFIXES:
         return "jsonl"
-    raise DataError(
-        f"{path}: data.format 'auto' reads {', '.join(TEXT_SUFFIXES)} as text and "
-        f"{', '.join(JSONL_SUFFIXES)} as JSON lines, not {suffix or 'no suffix'}; set data.format"
-    )
+    if suffix in TABLE_SUFFIXES:
+        return TABLE_SUFFIXES[suffix]
+    raise DataError(f"{path}: {AUTO_FORMATS}, not {suffix or 'no suffix'}; set data.format")
+
+
+def warn_skipped(skipped: list[str]) -> None:
+    """The warning that bad rows were left out: how many, and the first one's reason."""
+    if skipped:
+        count = len(skipped)
+        log.warning(
+            "data.files: skipped %d bad row%s (data.on_bad_rows: skip); the first: %s",
+            count,
+            "" if count == 1 else "s",
+            skipped[0],
+        )
 
 
 def read_corpus(files: list[Path], data: DataConfig, chat: Callable[[Any], tuple]) -> Corpus:

@@ -1,4 +1,5 @@
-"""`data.source: files`: the user's text and JSONL files prepared as token windows in Parquet.
+"""`data.source: files`: the user's text and JSONL files prepared as token windows in Parquet
+(CSV and Parquet tables as feature rows: `raylane.data.tabular`).
 
 The splits are written with a manifest.json beside the training split (every source file with
 its sha256 and size, the tokenizer, the counts) and, for a BPE or a given tokenizer.json, the
@@ -11,16 +12,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from raylane.config import RaylaneConfig
 from raylane.data.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
-from raylane.data.corpus import Corpus, file_format, read_corpus, resolve_files
+from raylane.data.corpus import Corpus, file_format, read_corpus, resolve_files, warn_skipped
 from raylane.data.errors import DataError
 from raylane.data.packing import Packed, pack, split_documents
 from raylane.data.prepare import write_split
+from raylane.data.tabular import is_table, prepare_table
 from raylane.data.text import MANIFEST
 from raylane.data.tokenizer import (
     BYTES,
@@ -37,8 +38,6 @@ TOKENIZER_FILE = "tokenizer.json"
 PREPARATION_VERSION = 1
 #: Data fields that do not change the prepared rows.
 _UNUSED_FIELDS = {"cache", "feed", "max_bytes"}
-
-log = logging.getLogger("raylane")
 
 
 @dataclass(frozen=True)
@@ -101,9 +100,12 @@ def stale_sources(cfg: RaylaneConfig) -> Sources | None:
 
 def prepare_files(cfg: RaylaneConfig, sources: Sources | None = None) -> tuple[int, int]:
     """Read, split, tokenize and pack the files; write both splits, the tokenizer and the
-    manifest. Returns the windows of each split."""
+    manifest. Returns the windows of each split (tables: the rows, see `prepare_table`)."""
     data, context = cfg.data, cfg.model.input_dim
     sources = sources or find_sources(cfg)
+    if is_table(sources.files, data.format):
+        _write_tokenizer(Path(data.train_path).parent / TOKENIZER_FILE, BYTES)  # none left
+        return prepare_table(cfg, sources)
     given_path = given_tokenizer_path(cfg)
     given = None if given_path is None else load_tokenizer(given_path)
     if given is not None:
@@ -130,14 +132,7 @@ def prepare_files(cfg: RaylaneConfig, sources: Sources | None = None) -> tuple[i
     manifest["chat_template"] = template_origin
     manifest["documents"] = {"train": len(train_docs), "validation": len(validation_docs)}
     manifest_path.write_text(json.dumps(manifest, indent=2))
-    if corpus.skipped:
-        count = len(corpus.skipped)
-        log.warning(
-            "data.files: skipped %d bad row%s (data.on_bad_rows: skip); the first: %s",
-            count,
-            "" if count == 1 else "s",
-            corpus.skipped[0],
-        )
+    warn_skipped(corpus.skipped)
     return len(splits["train"].inputs), len(splits["validation"].inputs)
 
 

@@ -51,10 +51,16 @@ def split_documents(
             f"{origin}: the only document; train and validation are split by document, so "
             "data.files needs at least 2 (files, or JSONL rows)"
         )
-    order = np.random.default_rng(seed).permutation(len(documents))
-    held_out = min(len(documents) - 1, max(1, round(len(documents) * fraction)))
-    validation, train = np.sort(order[:held_out]), np.sort(order[held_out:])
+    train, validation = split_indices(len(documents), fraction, seed)
     return [documents[i] for i in train], [documents[i] for i in validation]
+
+
+def split_indices(count: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """`(train, validation)` indices of `count` items (at least 2): a seeded permutation's
+    share `fraction` held out (at least one, at most all but one), each split sorted."""
+    order = np.random.default_rng(seed).permutation(count)
+    held_out = min(count - 1, max(1, round(count * fraction)))
+    return np.sort(order[held_out:]), np.sort(order[:held_out])
 
 
 def token_stream(
