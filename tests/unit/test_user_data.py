@@ -378,3 +378,46 @@ def test_check_parquet_takes_ignored_sequence_labels(tmp_path):
         else:
             with pytest.raises(DataError, match=error.replace("[", r"\[")):
                 check_parquet(path, cfg)
+
+
+def test_a_template_that_ends_turns_with_the_eos_token_learns_to_end_the_assistants_turn():
+    qwen_like = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    )
+    template = ChatTemplate(qwen_like, eos_token="<|im_end|>")
+    pieces = template.pieces(
+        [
+            {"role": "user", "content": "2 + 2?"},
+            {"role": "assistant", "content": "4"},
+            {"role": "user", "content": "and 3 + 3?"},
+            {"role": "assistant", "content": "6"},
+        ]
+    )
+    learnt = [text for text, is_learnt in pieces if is_learnt]
+    # Each answer and the end of its turn; never the user's turn end or the next turn's start.
+    assert learnt == ["4<|im_end|>", "6<|im_end|>"], pieces
+    assert "".join(text for text, _ in pieces).count("<|im_end|>") == 4
+    # Without an end-of-sequence token in the text after an answer, only the answer is learnt.
+    plain = ChatTemplate(qwen_like, eos_token="</s>").pieces(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    )
+    assert [text for text, is_learnt in plain if is_learnt] == ["hello"]
+
+
+def test_the_fingerprint_is_of_contents_not_of_how_paths_are_spelled(tmp_path, monkeypatch):
+    from raylane.data.files import find_sources
+
+    _corpus(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    absolute = find_sources(_cfg(tmp_path)).fingerprint
+    relative = load_config(
+        LM,
+        ["data.source=files", "data.files=[corpus/*]", "data.train_path=out/train.parquet",
+         "data.validation_path=out/validation.parquet", "model.input_dim=32"],
+    )  # fmt: skip
+    assert find_sources(relative).fingerprint == absolute
+    # ... while a changed setting or a changed byte of a file is another fingerprint.
+    assert find_sources(_cfg(tmp_path, "data.split_seed=1")).fingerprint != absolute
+    first = sorted((tmp_path / "corpus").iterdir())[0]
+    first.write_text(first.read_text() + "\n# one more line\n")
+    assert find_sources(relative).fingerprint != absolute

@@ -99,28 +99,40 @@ class ChatTemplate:
         # A template may trim contents (Hugging Face's often do): try them as they are, then so.
         learnt = [m["role"] == "assistant" for m in messages]
         verbatim = [m["content"] for m in messages]
+        stop = self._tokens["eos_token"]
         for contents in (verbatim, [content.strip() for content in verbatim]):
-            pieces = _fill(layout, contents, learnt)
+            pieces = _fill(layout, contents, learnt, stop)
             if "".join(piece for piece, _ in pieces) == text:
                 return pieces
         raise BadRow("chat_template does not render the messages' contents verbatim")
 
 
-def _fill(layout: list[str], contents: list[str], learnt: list[bool]) -> tuple[Piece, ...]:
-    """`layout` (template text and marker numbers, alternating) with the contents put in."""
+def _fill(
+    layout: list[str], contents: list[str], learnt: list[bool], stop: str = ""
+) -> tuple[Piece, ...]:
+    """`layout` (template text and marker numbers, alternating) with the contents put in.
+
+    The template text right after a learnt content is learnt up to and including the first
+    `stop` (the tokenizer's end-of-sequence token, e.g. `<|im_end|>` or `<|eot_id|>`), so a
+    model fine-tuned on chat learns to end its turn as the template ends it."""
     pieces: list[Piece] = []
+    after_learnt = False
     for position, part in enumerate(layout):
         if position % 2:
             index = int(part)
-            piece = (contents[index], learnt[index])
+            new = [(contents[index], learnt[index])]
+            after_learnt = learnt[index]
         else:
-            piece = (part, False)
-        if not piece[0]:
-            continue
-        if pieces and pieces[-1][1] == piece[1]:
-            pieces[-1] = (pieces[-1][0] + piece[0], piece[1])
-        else:
-            pieces.append(piece)
+            cut = part.find(stop) + len(stop) if after_learnt and stop and stop in part else 0
+            new = [(part[:cut], True), (part[cut:], False)]
+            after_learnt = False
+        for piece in new:
+            if not piece[0]:
+                continue
+            if pieces and pieces[-1][1] == piece[1]:
+                pieces[-1] = (pieces[-1][0] + piece[0], piece[1])
+            else:
+                pieces.append(piece)
     return tuple(pieces)
 
 

@@ -38,6 +38,7 @@ TOKENIZER_FILE = "tokenizer.json"
 PREPARATION_VERSION = 1
 #: Data fields that do not change the prepared rows.
 _UNUSED_FIELDS = {"cache", "feed", "max_bytes"}
+_PATH_FIELDS = {"files", "train_path", "validation_path"}
 
 
 @dataclass(frozen=True)
@@ -71,15 +72,25 @@ def find_sources(cfg: RaylaneConfig) -> Sources:
     entries = [file_entry(path) for path in files]
     tokenizer = given_tokenizer_path(cfg)
     beside = () if tokenizer is None else (tokenizer, tokenizer.parent / "tokenizer_config.json")
+    # What the splits are made of, not where things are named from: file contents (in order),
+    # never path strings, so a relative and an absolute spelling of one file agree (a Tune
+    # trial's config is absolute, `raylane train`'s as written).
+    settings = cfg.data.model_dump(mode="json", exclude=_UNUSED_FIELDS | _PATH_FIELDS)
+    if tokenizer is not None:
+        settings["tokenizer"] = "tokenizer.json"  # its bytes are in tokenizer_files
     record = {
         "version": PREPARATION_VERSION,
-        "data": cfg.data.model_dump(mode="json", exclude=_UNUSED_FIELDS),
+        "data": settings,
         "context_length": cfg.model.input_dim,
-        "files": entries,
-        "tokenizer_files": [file_entry(path) for path in beside if path.is_file()],
+        "files": [_content(entry) for entry in entries],
+        "tokenizer_files": [_content(file_entry(path)) for path in beside if path.is_file()],
     }
     fingerprint = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
     return Sources(files, entries, fingerprint)
+
+
+def _content(entry: dict) -> dict:
+    return {key: value for key, value in entry.items() if key != "path"}
 
 
 def stale_sources(cfg: RaylaneConfig) -> Sources | None:

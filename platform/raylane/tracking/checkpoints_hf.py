@@ -193,7 +193,10 @@ def trained_llama(model_cfg: ModelConfig, state: dict) -> LlamaForCausalLM:
     from raylane.models.llama import LlamaForCausalLM, llama_config
 
     if model_cfg.pretrained is not None:
-        cfg = read_config(model_cfg.pretrained)
+        try:
+            cfg = read_config(model_cfg.pretrained)
+        except ValueError as exc:  # the architecture is recorded in that directory only
+            raise CheckpointError(str(exc)) from None
     else:
         cfg = llama_config(model_cfg)
     with torch.device("meta"):
