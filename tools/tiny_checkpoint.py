@@ -14,14 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import sysconfig
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
-
-from raylane.data.chat import DEFAULT_CHAT_TEMPLATE  # noqa: E402
-from raylane.data.tokenizer import END_OF_TEXT, train_bpe  # noqa: E402
+from raylane.data.chat import DEFAULT_CHAT_TEMPLATE
+from raylane.data.tokenizer import END_OF_TEXT, train_bpe
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 

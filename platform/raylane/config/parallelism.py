@@ -189,8 +189,13 @@ class ParallelismConfig(StrictModel):
         return self.min_workers is not None
 
     @model_validator(mode="after")
+    def _forget_layout(self) -> ParallelismConfig:
+        """Validation runs again when a field is assigned: the cached layout is rebuilt."""
+        self.__dict__.pop("dims", None)
+        return self
+
+    @model_validator(mode="after")
     def _check_resources(self) -> ParallelismConfig:
-        self.__dict__.pop("dims", None)  # a field assigned anew: the layout is built again
         if self.min_workers is not None and self.min_workers > self.workers:
             raise ValueError(f"workers: min ({self.min_workers}) is above max ({self.workers})")
         for name, amount in self.resources_per_worker.items():
