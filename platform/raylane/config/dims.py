@@ -19,7 +19,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
+
+from raylane.config.presets import PRESETS, SyncKind
 
 if TYPE_CHECKING:
     from raylane.config.parallelism import ParallelismConfig
@@ -27,8 +29,6 @@ if TYPE_CHECKING:
 #: Mesh dimensions, outermost first: the workers of one tensor-parallel group are neighbouring
 #: ranks (one node when a node holds a multiple of tp), then the stages, then the replicas.
 MESH_DIMS = ("dp_replicate", "dp_shard", "pp", "cp", "tp")
-
-SyncKind = Literal["all_reduce", "periodic_average", "parameter_server"]
 
 
 @dataclass(frozen=True)
@@ -86,39 +86,30 @@ class ParallelDims:
 
     @classmethod
     def from_parallelism(cls, par: ParallelismConfig) -> ParallelDims:
-        """The layout a `parallelism:` section asks for; its strategy name is a preset.
-
-        'tp' and 'fsdp' read `dp: 1` as workers / tp (as the config documents) when there are
-        no pipeline stages; 'fsdp' with pp > 1 shards each stage over its `dp` workers."""
-        strategy, workers = par.strategy, par.workers
-        if strategy in ("tp", "fsdp"):
-            dp = workers // (par.tp * par.cp) if par.dp == 1 and par.pp == 1 else par.dp
-        elif strategy in ("pipeline", "hybrid"):
-            dp = par.dp
-        else:
-            dp = workers // par.cp
-        if strategy == "local_sgd":
-            sync = Sync("periodic_average", period=par.local_sgd_period)
-        elif strategy in ("async", "ssp"):
-            staleness = par.staleness if strategy == "ssp" else None
-            sync = Sync("parameter_server", staleness=staleness, shards=par.ps_shards)
+        """The layout a `parallelism:` section asks for; its strategy name is a preset
+        (`raylane.config.presets.PRESETS`). Without pipeline stages `dp: 1` reads as
+        workers / (tp * cp), as the config documents."""
+        preset = PRESETS[par.strategy]
+        dp = par.workers // (par.tp * par.cp) if par.dp == 1 and par.pp == 1 else par.dp
+        if preset.sync == "periodic_average":
+            sync = Sync(preset.sync, period=par.local_sgd_period)
+        elif preset.sync == "parameter_server":
+            staleness = par.staleness if preset.bounded else None
+            sync = Sync(preset.sync, staleness=staleness, shards=par.ps_shards)
         else:
             sync = Sync(compression=par.grad_compression)
-        dims = cls.preset(strategy, dp=dp, pp=par.pp, tp=par.tp, sync=sync)
+        dims = cls.preset(par.strategy, dp=dp, pp=par.pp, tp=par.tp, sync=sync)
         return replace(dims, cp=par.cp, sequence_parallel=par.sequence_parallel)
 
     @classmethod
     def preset(
         cls, strategy: str, *, dp: int, pp: int = 1, tp: int = 1, sync: Sync | None = None
     ) -> ParallelDims:
-        """The layout strategy `strategy` names with `dp` data-parallel workers: 'fsdp' shards
-        over them (each stage's, with pp > 1), every other name replicates."""
-        sync = sync or Sync()
-        if strategy == "fsdp":
+        """The layout strategy `strategy` names with `dp` data-parallel workers: sharded
+        (FSDP, each stage's with pp > 1) where its preset shards, replicated otherwise."""
+        if PRESETS[strategy].shard:
             return cls(dp_shard=dp, pp=pp, tp=tp)
-        if strategy in ("tp", "pipeline", "hybrid"):
-            return cls(dp_replicate=dp, pp=pp, tp=tp, sync=sync)
-        return cls(dp_replicate=dp, sync=sync)
+        return cls(dp_replicate=dp, pp=pp, tp=tp, sync=sync or Sync())
 
     @property
     def preset_name(self) -> str:

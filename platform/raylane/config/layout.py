@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from raylane.config.presets import PRESETS, listed, names
+
 if TYPE_CHECKING:
     from raylane.config.parallelism import ParallelismConfig
 
@@ -43,11 +45,6 @@ class LayoutConfig(Protocol):
     finetune: object | None
 
 
-PIPELINED = ("pipeline", "hybrid")
-DATA_PARALLEL = ("ddp", "local_sgd", "async", "ssp")
-SHARDED = ("tp", "fsdp")
-
-
 def replicas(cfg: LayoutConfig) -> int:
     """How many data-parallel workers (each reading different batches) a layout has."""
     return cfg.parallelism.dims.dp
@@ -66,7 +63,8 @@ def describe_stages(cfg: LayoutConfig) -> list[str]:
 
     A single line for unpipelined strategies."""
     par, n_layers = cfg.parallelism, cfg.model.n_layers
-    if par.strategy in SHARDED and par.pp == 1:
+    shard = PRESETS[par.strategy].shard
+    if par.pp == 1 and (shard or par.tp > 1):
         return [_describe_sharded(cfg)]
     if par.pp == 1 and par.cp > 1:
         return [
@@ -83,9 +81,7 @@ def describe_stages(cfg: LayoutConfig) -> list[str]:
         if stage == par.pp - 1:
             parts.append("norm + head")
         split = f", blocks split over {par.tp} workers" if par.tp > 1 else ""
-        copies = (
-            f"sharded over {par.dp} workers" if par.strategy == "fsdp" else f"x{par.dp} replicas"
-        )
+        copies = f"sharded over {par.dp} workers" if shard else f"x{par.dp} replicas"
         lines.append(f"stage {stage}: {', '.join(parts)} ({copies}{split})")
     return lines
 
@@ -100,54 +96,74 @@ def _describe_sharded(cfg: LayoutConfig) -> str:
         )
     if par.cp > 1:
         parts.append(f"each sequence split over {par.cp} workers (ring attention)")
-    if par.strategy == "fsdp":
+    if PRESETS[par.strategy].shard:
         parts.append(f"parameters, gradients and optimizer state sharded over {dp} workers")
     else:
         parts.append(f"{dp} data-parallel replicas")
     return "; ".join(parts)
 
 
-def _check_sharded(cfg: LayoutConfig) -> None:
-    par = cfg.parallelism
-    if par.pp != 1 and par.strategy == "fsdp":  # pp x fsdp: every stage sharded over dp
+def check_layout(cfg: LayoutConfig) -> None:
+    """Raise ValueError naming the first impossible combination of `cfg`'s layout: its options
+    (compression, stragglers, tp), the degrees its strategy name takes, then how the degrees
+    multiply to the workers (with pipeline stages or without)."""
+    _check_options(cfg)
+    if cfg.parallelism.elastic:
+        _check_elastic(cfg)
+    _check_preset(cfg.parallelism)
+    if cfg.parallelism.pp > 1:
         _check_pipelined(cfg)
-        return
-    if par.pp != 1:
+    else:
+        _check_unpipelined(cfg)
+
+
+def _check_preset(par: ParallelismConfig) -> None:
+    """The degrees within the ranges its strategy name takes (`PRESETS`)."""
+    preset, name = PRESETS[par.strategy], f"strategy '{par.strategy}'"
+    hint = f"; {preset.hint}" if preset.hint else ""
+    (pp_least, pp_most), (tp_least, tp_most) = preset.pp, preset.tp
+    if par.pp < pp_least:
+        raise ValueError(f"parallelism: {name} needs pp >= {pp_least} (got {par.pp})")
+    if pp_most is not None and par.pp > pp_most:
         raise ValueError(
-            f"parallelism: strategy '{par.strategy}' has no pipeline stages; pp must be 1 "
-            f"(got {par.pp}); 'fsdp' with pp > 1 shards each stage over dp"
+            f"parallelism: {name} has no pipeline stages; pp must be 1 (got {par.pp}); "
+            f"stages run with strategy {listed(names('pp'))}"
         )
+    if tp_most is not None and par.tp > tp_most:
+        raise ValueError(
+            f"parallelism.tp {par.tp} needs strategy {listed(names('tp'))} (got '{par.strategy}')"
+        )
+    if par.tp < tp_least:
+        raise ValueError(f"parallelism: {name} needs tp >= {tp_least} (got {par.tp})")
+    if par.pp > 1:  # without stages dp follows from the workers
+        dp_least, dp_most = preset.dp
+        if dp_most is not None and par.dp > dp_most:
+            raise ValueError(f"parallelism: {name} has dp {dp_most} (got {par.dp}){hint}")
+        if par.dp < dp_least:
+            raise ValueError(f"parallelism: {name} needs dp >= {dp_least} (got {par.dp})")
+
+
+def _check_unpipelined(cfg: LayoutConfig) -> None:
+    """Without stages: the workers split into whole groups of tp * cp, `dp` of them."""
+    par = cfg.parallelism
     if par.tp > 1 and cfg.model.kind != "gpt":
         raise ValueError(
             f"parallelism.tp {par.tp} splits transformer blocks; model.kind must be 'gpt', not "
             f"'{cfg.model.kind}'"
         )
-    if par.strategy == "tp" and par.tp < 2:
-        raise ValueError(f"parallelism: strategy 'tp' needs tp >= 2 (got {par.tp})")
-    split = par.tp * par.cp
-    named = f"tp * cp ({par.tp} * {par.cp})" if par.cp > 1 else f"tp ({par.tp})"
-    if par.workers % split:
+    factors = {"dp": par.dp, "tp": par.tp, "cp": par.cp}
+    split = [k for k in ("tp", "cp") if factors[k] > 1]
+    group = par.tp * par.cp
+    if par.workers % group:
+        named = " * ".join(split) + f" ({' * '.join(str(factors[k]) for k in split)})"
         raise ValueError(f"parallelism: workers ({par.workers}) is not divisible by {named}")
-    if par.dp * split != par.workers and par.dp != 1:
-        factors = f"dp * tp = {par.dp} * {par.tp}"
-        if par.cp > 1:
-            factors = f"dp * tp * cp = {par.dp} * {par.tp} * {par.cp}"
-        raise ValueError(f"parallelism: {factors} = {par.dp * split} but workers is {par.workers}")
-
-
-def check_layout(cfg: LayoutConfig) -> None:
-    """Raise ValueError naming the first impossible combination of `cfg`'s layout: its options
-    (compression, stragglers, tp), then the rules of its kind of strategy."""
-    _check_options(cfg)
-    if cfg.parallelism.elastic:
-        _check_elastic(cfg)
-    strategy = cfg.parallelism.strategy
-    if strategy in SHARDED:
-        _check_sharded(cfg)
-    elif strategy in DATA_PARALLEL:
-        _check_data_parallel(cfg)
-    else:
-        _check_pipelined(cfg)
+    if par.dp != 1 and par.dp * group != par.workers:
+        keys = ["dp", *split]
+        product = f"{' * '.join(keys)} = {' * '.join(str(factors[k]) for k in keys)}"
+        raise ValueError(
+            f"parallelism: {product} = {par.dp * group} but workers is {par.workers} (dp 1 "
+            "means workers / (tp * cp))"
+        )
 
 
 def _check_elastic(cfg: LayoutConfig) -> None:
@@ -155,9 +171,10 @@ def _check_elastic(cfg: LayoutConfig) -> None:
     (DDP's replicas, or FSDP's shards, which a checkpoint re-shards onto any count), and a
     global batch every size in the range splits evenly."""
     par = cfg.parallelism
-    if par.strategy not in ("ddp", "fsdp") or par.cp > 1 or par.pp > 1 or par.tp > 1:
+    if not PRESETS[par.strategy].elastic or par.cp > 1 or par.pp > 1 or par.tp > 1:
         raise ValueError(
-            f"parallelism.workers {{min, max}} resizes 'ddp' and 'fsdp' runs (pp, tp and cp "
+            f"parallelism.workers {{min, max}} resizes {listed(names('elastic'), 'and')} runs "
+            "(pp, tp and cp "
             f"1); strategy '{par.strategy}' with pp {par.pp}, tp {par.tp}, cp {par.cp} keeps a "
             "fixed worker count: set workers to one number"
         )
@@ -187,27 +204,27 @@ def _check_compression(par: ParallelismConfig) -> None:
     or a tensor-parallel model's replicas' flat gradient (every scheme but PowerSGD, which
     needs DDP's buckets)."""
     name = par.grad_compression
+    if not PRESETS[par.strategy].compression:
+        raise ValueError(
+            f"parallelism.grad_compression '{name}' compresses the gradients replicas "
+            f"all-reduce (strategies {listed(names('compression'), 'and')}); strategy "
+            f"'{par.strategy}' does not"
+        )
     if name == "powersgd" and par.cp > 1:
         raise ValueError(
             "parallelism.grad_compression 'powersgd' compresses DDP's gradient buckets; with "
             "cp > 1 the replicas and cp workers average one buffer: use 'fp16' or 'topk'"
         )
-    if par.strategy == "tp":
-        if name == "powersgd":
-            raise ValueError(
-                "parallelism.grad_compression 'powersgd' compresses DDP's gradient buckets; "
-                "strategy 'tp' averages its replicas' gradients in one buffer: use 'fp16' or "
-                "'topk'"
-            )
-        if par.workers // par.tp < 2:
-            raise ValueError(
-                f"parallelism.grad_compression '{name}' compresses what tp replicas average; "
-                f"{par.workers} workers at tp {par.tp} make one replica (raise workers)"
-            )
-    elif par.strategy != "ddp":
+    if par.tp > 1 and name == "powersgd":
         raise ValueError(
-            f"parallelism.grad_compression '{name}' compresses the gradients replicas "
-            f"all-reduce (strategies 'ddp' and 'tp'); strategy '{par.strategy}' does not"
+            "parallelism.grad_compression 'powersgd' compresses DDP's gradient buckets; "
+            f"strategy '{par.strategy}' averages its replicas' gradients in one buffer: use "
+            "'fp16' or 'topk'"
+        )
+    if par.tp > 1 and par.workers // par.tp < 2:
+        raise ValueError(
+            f"parallelism.grad_compression '{name}' compresses what tp replicas average; "
+            f"{par.workers} workers at tp {par.tp} make one replica (raise workers)"
         )
 
 
@@ -257,11 +274,6 @@ def _check_options(cfg: LayoutConfig) -> None:
         )
     if par.cp > 1:
         _check_context(cfg)
-    if par.tp > 1 and par.strategy not in (*SHARDED, *PIPELINED):
-        raise ValueError(
-            f"parallelism.tp {par.tp} needs strategy 'tp', 'fsdp', 'pipeline' or 'hybrid' (got "
-            f"'{par.strategy}')"
-        )
     if cfg.model.kind == "gpt" and cfg.model.n_heads % par.tp:
         raise ValueError(
             f"model.n_heads ({cfg.model.n_heads}) is not divisible by parallelism.tp "
@@ -272,10 +284,11 @@ def _check_options(cfg: LayoutConfig) -> None:
 def _check_context(cfg: LayoutConfig) -> None:
     """Context parallelism: a gpt's sequences split over `cp` workers of a ddp or tp layout."""
     par = cfg.parallelism
-    if par.strategy not in ("ddp", "tp") or par.pp != 1:
+    if not PRESETS[par.strategy].cp or par.pp != 1:
         raise ValueError(
-            f"parallelism.cp {par.cp} splits sequences over workers of a 'ddp' or 'tp' layout "
-            f"(replicas, tensor parallelism); not strategy '{par.strategy}' with pp {par.pp}"
+            f"parallelism.cp {par.cp} splits sequences over workers of a "
+            f"{listed(names('cp'))} layout (replicas, tensor parallelism); not strategy "
+            f"'{par.strategy}' with pp {par.pp}"
         )
     if cfg.model.kind != "gpt":
         raise ValueError("parallelism.cp splits token sequences; model.kind must be 'gpt'")
@@ -288,34 +301,13 @@ def _check_context(cfg: LayoutConfig) -> None:
         raise ValueError("parallelism.cp is not available for fine-tuning runs yet")
 
 
-def _check_data_parallel(cfg: LayoutConfig) -> None:
-    par = cfg.parallelism
-    replicas = par.workers // par.cp
-    if par.workers % par.cp:
-        raise ValueError(f"parallelism: workers ({par.workers}) is not divisible by cp ({par.cp})")
-    if par.pp != 1 or par.dp not in (1, replicas):
-        uses = f"all {par.workers} workers" if par.cp == 1 else f"workers / cp = {replicas}"
-        raise ValueError(
-            f"parallelism: strategy '{par.strategy}' uses {uses} as data-parallel replicas; "
-            f"pp must be 1 (got {par.pp}) and dp 1 or {replicas} (got {par.dp})"
-        )
-
-
 def _check_pipelined(cfg: LayoutConfig) -> None:
     par = cfg.parallelism
     if cfg.model.kind != "gpt":
         raise ValueError(
-            f"parallelism: strategy '{par.strategy}' splits transformer blocks into stages; "
-            f"model.kind must be 'gpt', not '{cfg.model.kind}'"
+            f"parallelism.pp {par.pp} splits transformer blocks into stages; model.kind must "
+            f"be 'gpt', not '{cfg.model.kind}'"
         )
-    if par.pp < 2:
-        raise ValueError(f"parallelism: strategy '{par.strategy}' needs pp >= 2 (got {par.pp})")
-    if par.strategy == "pipeline" and par.dp != 1:
-        raise ValueError(
-            f"parallelism: strategy 'pipeline' has dp 1 (got {par.dp}); use 'hybrid' for dp > 1"
-        )
-    if par.strategy == "hybrid" and par.dp < 2:
-        raise ValueError(f"parallelism: strategy 'hybrid' needs dp >= 2 (got {par.dp})")
     if par.dp * par.pp * par.tp != par.workers:
         product = par.dp * par.pp * par.tp
         factors = (

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from raylane.config import ConfigError, RaylaneConfig, load_config
-from raylane.config.layout import PIPELINED
 from raylane.config.loader import with_absolute_paths
+from raylane.config.presets import PRESETS
 from raylane.tune.spec import TuneSpec
 
 
@@ -82,22 +82,23 @@ def _yaml_value(value: Any) -> str:
 def _layouts(
     strategy: str, workers: int, pps: list[int], tps: list[int], cps: list[int]
 ) -> list[tuple[int, int, int, int]]:
-    """(dp, pp, tp, cp) per layout of `strategy` on `workers`; an impossible one is kept so
-    that the config's validation names why it is pruned. Sequences are split over cp workers
-    in 'ddp' and 'tp' layouts only (the strategies context parallelism runs with)."""
-    if strategy in PIPELINED:
-        found = [(workers // pp, pp, 1) for pp in pps if workers % pp == 0] or [(workers, 1, 1)]
-        return [(dp, pp, tp, 1) for dp, pp, tp in found]
-    if strategy == "tp":
-        return [(max(workers // (tp * cp), 1), 1, tp, cp) for tp in tps for cp in cps]
-    if strategy == "fsdp":
-        found = [(max(workers // tp, 1), 1, tp) for tp in sorted({1, *tps})]
-        # and every pipeline stage sharded over its dp workers
-        found += [(workers // pp, pp, 1) for pp in pps if pp > 1 and workers % pp == 0]
-        return [(dp, pp, tp, 1) for dp, pp, tp in found if pp == 1 or dp > 1]
-    if strategy == "ddp":
-        return [(max(workers // cp, 1), 1, 1, cp) for cp in cps]
-    return [(workers, 1, 1, 1)]
+    """(dp, pp, tp, cp) per layout of `strategy` on `workers`, within the degrees its preset
+    takes; an impossible one is kept so that the config's validation names why it is pruned.
+    A name that needs stages takes every pp of the space (tp 1); one that may have them
+    (FSDP) also shards each stage over its dp workers; sequences are split over cp workers
+    where the preset splits them."""
+    preset = PRESETS[strategy]
+    staged = [(workers // pp, pp, 1, 1) for pp in pps if pp > 1 and workers % pp == 0]
+    if preset.pp[0] > 1:
+        return staged or [(workers, 1, 1, 1)]
+    takes_tp = preset.tp[1] is None
+    tp_options = tps if preset.tp[0] > 1 else sorted({1, *tps}) if takes_tp else [1]
+    found = [
+        (max(workers // (tp * cp), 1), 1, tp, cp)
+        for tp in tp_options
+        for cp in (cps if preset.cp else [1])
+    ]
+    return found + [layout for layout in staged if layout[0] > 1] if preset.pp[1] is None else found
 
 
 def _combinations(space, extra_keys: list[str]):
@@ -106,7 +107,7 @@ def _combinations(space, extra_keys: list[str]):
     there are stages, sequence parallelism only where there is tensor parallelism."""
     for strategy, workers in itertools.product(space.strategy, space.workers):
         for layout in _layouts(strategy, workers, space.pp, space.tp, space.cp):
-            pipelined = strategy in PIPELINED or layout[1] > 1
+            pipelined = PRESETS[strategy].pp[0] > 1 or layout[1] > 1
             yield from itertools.product(
                 [strategy], [workers], [layout],
                 space.sequence_parallel if layout[2] > 1 else [False],
