@@ -51,6 +51,54 @@ def test_every_strategy_name_is_a_preset_of_one_layout(config, overrides, degree
     assert dims.world_size == cfg.parallelism.workers
 
 
+@pytest.mark.parametrize(
+    ("config", "named", "degrees"),
+    [
+        (REFERENCE, [], []),
+        (REFERENCE, ["parallelism.grad_compression=fp16"],
+         ["parallelism.sync={compression: fp16}"]),
+        (REFERENCE, ["parallelism.strategy=local_sgd", "parallelism.local_sgd_period=3"],
+         ["parallelism.sync={kind: periodic_average, period: 3}"]),
+        (REFERENCE, ["parallelism.strategy=async"], ["parallelism.sync={kind: parameter_server}"]),
+        (REFERENCE, ["parallelism.strategy=ssp", "parallelism.staleness=3"],
+         ["parallelism.sync={kind: parameter_server, staleness: 3}"]),
+        (LM, [], []),
+        (LM, ["parallelism.strategy=hybrid", "parallelism.workers=8", "parallelism.dp=2",
+              "parallelism.tp=2"],
+         ["parallelism.workers=8", "parallelism.dp=2", "parallelism.tp=2"]),
+        ("configs/train/lm_tp.yaml", ["parallelism.workers=4"], ["parallelism.workers=4"]),
+        ("configs/train/lm_fsdp.yaml", [], ["parallelism.dp_shard=2"]),
+        ("configs/train/lm_fsdp.yaml", ["parallelism.workers=4", "parallelism.tp=2"],
+         ["parallelism.workers=4", "parallelism.tp=2", "parallelism.dp_shard=2"]),
+        (LM, ["parallelism.strategy=fsdp", "parallelism.workers=4", "parallelism.dp=2"],
+         ["parallelism.workers=4", "parallelism.dp_shard=2"]),
+    ],
+)  # fmt: skip
+def test_a_layout_given_by_its_degrees_is_the_named_one(config, named, degrees):
+    by_name = load_config(config, named).parallelism
+    by_degrees = load_config(config, ["parallelism.strategy=null", *degrees]).parallelism
+    assert by_degrees.dims == by_name.dims
+    assert by_degrees.strategy == by_name.strategy
+    assert by_degrees.dims.world_size == by_degrees.workers
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["parallelism.strategy=ddp", "parallelism.dp_shard=2"],
+         "strategy 'ddp' is not the layout its degrees make (dp_shard 2 (2 workers): gradients "
+         "reduce-scattered: 'fsdp'); give one or the other"),
+        (["parallelism.dp_shard=2", "parallelism.workers=4"],
+         "dp 2 replicas of dp_shard 2 shards (HSDP) is not available yet"),
+        (["parallelism.dp_shard=3"], "workers (2) is not divisible by dp_shard * pp * tp * cp (3)"),
+        (["parallelism.sync={kind: gossip}"], "parallelism.sync.kind: Input should be"),
+    ],
+)  # fmt: skip
+def test_degrees_that_make_no_layout_or_another_name_are_refused(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(REFERENCE, overrides)
+
+
 def test_coordinates_are_the_meshs_row_major_order():
     dims = ParallelDims(dp_replicate=2, dp_shard=1, pp=2, tp=2)
     grid = torch.arange(dims.world_size).view(dims.mesh_shape())

@@ -6,9 +6,10 @@ from __future__ import annotations
 from functools import cached_property
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from raylane.config.dims import ParallelDims
+from raylane.config.dims import ParallelDims, Sync
+from raylane.config.presets import SyncKind
 from raylane.config.strict import StrictModel
 
 
@@ -41,10 +42,44 @@ class StragglerConfig(StrictModel):
 Strategy = Literal["ddp", "pipeline", "hybrid", "tp", "fsdp", "local_sgd", "async", "ssp"]
 
 
+class SyncConfig(StrictModel):
+    """How the data-parallel workers agree, for a layout given by its degrees."""
+
+    kind: SyncKind = Field(
+        "all_reduce",
+        description="'all_reduce': every step's gradients (FSDP: reduce-scattered); "
+        "'periodic_average': parameters averaged every `period` steps (local SGD); "
+        "'parameter_server': updates pushed to parameter-server actors (`staleness` bounds how "
+        "far a worker runs ahead; unset: unbounded).",
+    )
+    compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = Field(
+        "none", description="all_reduce: the gradient compression (see `grad_compression`)."
+    )
+    period: int = Field(4, ge=1, description="periodic_average: steps between averages.")
+    staleness: int | None = Field(
+        None, ge=0, description="parameter_server: most steps ahead of the slowest worker."
+    )
+    shards: int = Field(2, ge=1, description="parameter_server: actors the model is split over.")
+
+    def as_fields(self) -> dict:
+        """The `parallelism:` fields this sync sets."""
+        return {
+            "grad_compression": self.compression,
+            "local_sgd_period": self.period,
+            "staleness": 2 if self.staleness is None else self.staleness,
+            "ps_shards": self.shards,
+        }
+
+
+#: Keys that give a layout by its degrees rather than by a strategy name.
+DEGREE_KEYS = ("dp_shard", "sync")
+
+
 class ParallelismConfig(StrictModel):
     strategy: Strategy = Field(
         "ddp",
-        description="How the model is parallelised. 'ddp': data parallel "
+        description="A named layout (or give the degrees: `dp_shard`, `pp`, `tp`, `cp` and "
+        "`sync`, and the name is the one they make). 'ddp': data parallel "
         "(DistributedDataParallel, synchronous all-reduce); 'pipeline': the model's blocks "
         "split into `pp` stages on different workers, micro-batched; 'hybrid': `dp` "
         "data-parallel replicas of a `pp`-stage pipeline; 'tp': each block's attention heads "
@@ -96,6 +131,19 @@ class ParallelismConfig(StrictModel):
         "Each holds 2 of 2*cp equal chunks (the first and last, then the next pair: equal "
         "causal work) with their own positions and loss; attention is exact, by ring attention "
         "(key/value blocks passed around the cp workers). workers = dp * cp (* tp).",
+    )
+    dp_shard: int | None = Field(
+        None,
+        ge=1,
+        description="A layout by its degrees: data-parallel workers that shard parameters, "
+        "gradients and optimizer state (FSDP2; with `pp` each stage's). Given with `sync` "
+        "or instead of `strategy`, the strategy is the one the degrees make.",
+    )
+    sync: SyncConfig | None = Field(
+        None,
+        description="A layout by its degrees: how the data-parallel workers agree "
+        "({kind, compression, period, staleness, shards}); sets grad_compression, "
+        "local_sgd_period, staleness and ps_shards.",
     )
     microbatches: int = Field(
         1, ge=1, description="Micro-batches each batch is cut into for the pipeline schedule."
@@ -177,6 +225,18 @@ class ParallelismConfig(StrictModel):
             raise ValueError("give min_workers or workers: {min, max}, not both")
         return {**data, "workers": span["max"], "min_workers": span["min"]}
 
+    @model_validator(mode="before")
+    @classmethod
+    def _from_degrees(cls, data):
+        """A layout given by its degrees (no `strategy`, or `dp_shard` / `sync`): the strategy
+        name is the preset those degrees make, the sync's settings its fields. A strategy given
+        beside degrees must be the one they make."""
+        if not isinstance(data, dict):
+            return data
+        if data.get("strategy") is not None and all(data.get(k) is None for k in DEGREE_KEYS):
+            return data
+        return {**data, **resolve_degrees(data)}
+
     @cached_property
     def dims(self) -> ParallelDims:
         """The layout this section asks for (its strategy name is a preset), built once per
@@ -204,3 +264,45 @@ class ParallelismConfig(StrictModel):
         if self.use_gpu and self.resources_per_worker.get("GPU", 1) == 0:
             raise ValueError("use_gpu is true but resources_per_worker.GPU is 0")
         return self
+
+
+def resolve_degrees(data: dict) -> dict:
+    """`strategy`, `dp` and the sync's fields for a `parallelism:` mapping given by degrees."""
+    try:
+        sync = SyncConfig.model_validate(data.get("sync") or {})
+    except ValidationError:
+        return {}  # the `sync` field's own validation names the problem, where it is
+    pp, tp, cp = (int(data.get(k, 1)) for k in ("pp", "tp", "cp"))
+    shard = int(data.get("dp_shard") or 1)
+    workers = data.get("workers", pp * tp * cp * shard)
+    if isinstance(workers, dict):  # an elastic range: its largest size
+        workers = workers.get("max", 1)
+    split = pp * tp * cp * shard
+    if int(workers) % split:
+        raise ValueError(
+            f"workers ({workers}) is not divisible by dp_shard * pp * tp * cp ({split})"
+        )
+    replicas = int(data.get("dp", 1)) if pp > 1 else int(workers) // split
+    if pp == 1 and int(data.get("dp", 1)) not in (1, replicas * shard):
+        raise ValueError(
+            f"dp {data['dp']}: without stages the data-parallel workers are workers / (tp * cp) "
+            f"= {replicas * shard}"
+        )
+    if shard > 1 and replicas > 1:
+        raise ValueError(
+            f"dp {replicas} replicas of dp_shard {shard} shards (HSDP) is not available yet: "
+            "give dp_shard = workers / (pp * tp * cp), or dp_shard 1"
+        )
+    dims = ParallelDims(
+        dp_replicate=replicas, dp_shard=shard, pp=pp, tp=tp, cp=1 if pp > 1 else cp,
+        sync=Sync(sync.kind, sync.compression, sync.period, sync.staleness, sync.shards),
+    )  # fmt: skip
+    name = dims.preset_name
+    given = data.get("strategy")
+    if given is not None and given != name:
+        raise ValueError(
+            f"strategy '{given}' is not the layout its degrees make ({dims.describe()}: "
+            f"'{name}'); give one or the other"
+        )
+    resolved = {"strategy": name, "dp": dims.dp, "workers": data.get("workers", split)}
+    return resolved | (sync.as_fields() if data.get("sync") is not None else {})
