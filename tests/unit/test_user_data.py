@@ -421,3 +421,21 @@ def test_the_fingerprint_is_of_contents_not_of_how_paths_are_spelled(tmp_path, m
     first = sorted((tmp_path / "corpus").iterdir())[0]
     first.write_text(first.read_text() + "\n# one more line\n")
     assert find_sources(relative).fingerprint != absolute
+
+
+def test_a_byte_order_mark_is_not_text(tmp_path):
+    import codecs
+
+    from raylane.data.corpus import jsonl_documents, text_document
+
+    def chat(_):
+        raise AssertionError("no chat rows here")
+
+    text = tmp_path / "module.py"
+    text.write_bytes(codecs.BOM_UTF8 + b"def f(): pass\n")
+    assert text_document(text).text == "def f(): pass\n"
+    rows = tmp_path / "rows.jsonl"
+    rows.write_bytes(codecs.BOM_UTF8 + b'{"text": "one"}\n{"text": "two"}\n')
+    found = list(jsonl_documents(rows, "text", chat))
+    assert [d.text for d in found] == ["one", "two"]
+    assert [d.origin for d in found] == [f"{rows}:1", f"{rows}:2"]

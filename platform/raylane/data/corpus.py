@@ -8,6 +8,7 @@ A bad file or row is named as `path: reason` or `path:LINE: reason`; under
 
 from __future__ import annotations
 
+import codecs
 import glob
 import json
 import logging
@@ -119,8 +120,9 @@ def read_corpus(files: list[Path], data: DataConfig, chat: Callable[[Any], tuple
 
 
 def text_document(path: Path) -> Document | str:
-    """A text file as one document, or the reason it cannot be one."""
-    raw = path.read_bytes()
+    """A text file as one document, or the reason it cannot be one (a UTF-8 byte-order mark,
+    which some editors write, is not text)."""
+    raw = path.read_bytes().removeprefix(codecs.BOM_UTF8)
     if not raw.strip():
         return f"{path}: empty file"
     try:
@@ -133,8 +135,11 @@ def text_document(path: Path) -> Document | str:
 def jsonl_documents(
     path: Path, text_field: str, chat: Callable[[Any], tuple]
 ) -> Iterator[Document | str]:
-    """Each non-blank line of a JSONL file as a document, or the reason it cannot be one."""
+    """Each non-blank line of a JSONL file as a document, or the reason it cannot be one; a
+    leading byte-order mark is skipped (byte offsets in messages still count it)."""
     raw = path.read_bytes()
+    if raw.startswith(codecs.BOM_UTF8):
+        raw = b" " * len(codecs.BOM_UTF8) + raw[len(codecs.BOM_UTF8) :]
     if not raw.strip():
         yield f"{path}: empty file"
         return
