@@ -14,6 +14,16 @@ from raylane.parallel.param_server import Clock, Shard, assign_shards
 from raylane.tracking.step_times import StepTimes, step_metrics
 from raylane.train.straggler import Straggler
 
+# A guard against a hang only, never a measurement: the clock's waits end on other workers'
+# steps, which these scenarios take in the same event loop.
+HANG_S = 30.0
+
+
+async def _settle() -> None:
+    """Let every task the last step woke run until it blocks again (no wall-clock wait)."""
+    for _ in range(20):
+        await asyncio.sleep(0)
+
 
 def test_a_worker_ahead_by_more_than_the_bound_waits_for_the_slowest():
     async def scenario():
@@ -21,23 +31,30 @@ def test_a_worker_ahead_by_more_than_the_bound_waits_for_the_slowest():
         await clock.advance(0)  # 1 ahead
         await clock.advance(0)  # 2 ahead: still allowed
         third = asyncio.create_task(clock.advance(0))  # 3 ahead: must wait
-        await asyncio.sleep(0.05)
-        assert not third.done()
-        assert await clock.advance(1) < 0.05  # the slow worker steps: 0 is 2 ahead again
-        # The worker held back says how long it waited.
-        assert await asyncio.wait_for(third, 1.0) >= 0.05
+        await _settle()
+        assert clock.clocks == [3, 0] and not third.done()  # counted, and held
+        released = await clock.advance(1)  # the slow worker steps: 0 is 2 ahead again
+        # The worker held back says how long it waited: longer than the step that freed it.
+        held = await asyncio.wait_for(third, HANG_S)
+        assert held > released >= 0
         # A worker that paused (end of its epoch) holds nobody back.
         await clock.pause(1)
         for _ in range(5):
-            await asyncio.wait_for(clock.advance(0), 1.0)
-        # Back from its pause, the slow worker keeps its clock: the one ahead waits again.
+            await asyncio.wait_for(clock.advance(0), HANG_S)
+        assert clock.clocks == [8, 1]
+        # Back from its pause, the slow worker keeps its clock: the one ahead waits again, and
+        # is let go on exactly the step that brings the slow worker within the bound.
         await clock.resume(1)
         ahead = asyncio.create_task(clock.advance(0))
-        await asyncio.sleep(0.05)
-        assert not ahead.done()
+        held_after = []  # whether it is still held after each of the slow worker's steps
         for _ in range(6):
-            await asyncio.wait_for(clock.advance(1), 1.0)
-        await asyncio.wait_for(ahead, 1.0)
+            await _settle()
+            held_after.append(not ahead.done())
+            await asyncio.wait_for(clock.advance(1), HANG_S)
+        await _settle()
+        assert held_after == [True] * 6 and ahead.done()  # let go on the sixth step exactly
+        assert clock.clocks == [9, 7]  # 9 - 7 == bound
+        await ahead
 
     asyncio.run(scenario())
 

@@ -26,9 +26,13 @@ def test_an_epoch_that_ends_again_after_a_restart_is_logged_once(tmp_path, caplo
 
 
 def test_only_the_epoch_a_group_starts_in_is_checked_and_an_unreachable_store_skips_nothing(
-    tmp_path,
+    tmp_path, monkeypatch, caplog
 ):
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    # Each query opens the database file anew, so a store whose directory is moved away is
+    # unreachable to reads and writes alike until it is moved back.
+    monkeypatch.setenv("MLFLOW_SQLALCHEMYSTORE_POOLCLASS", "NullPool")
+    store = tmp_path / "store"
+    uri = f"sqlite:///{store / 'mlflow.db'}"
     client = MlflowClient(uri)
     run_id = client.create_run(client.create_experiment("resumed")).info.run_id
     logger = EpochLogger(uri, run_id)
@@ -37,7 +41,13 @@ def test_only_the_epoch_a_group_starts_in_is_checked_and_an_unreachable_store_sk
     # older checkpoint records what it trains).
     assert logger.log_epoch({"val_loss": 1.9}, 0, again=False)
     assert len(client.get_metric_history(run_id, "val_loss")) == 2
-    # A store that cannot say what it holds: the epoch is logged (and waits for the store
-    # like any epoch), never dropped.
-    gone = EpochLogger(f"sqlite:///{tmp_path / 'missing' / 'mlflow.db'}", run_id, 0.0)
-    assert gone.holds(0) is False
+    # A store that cannot say what it holds: a restarted group's epoch is logged (it waits
+    # for the store like any epoch), never dropped as one the run already has.
+    caplog.set_level(logging.WARNING, logger="raylane")
+    store.rename(tmp_path / "away")
+    assert logger.log_epoch({"val_loss": 1.8}, 0, again=True)
+    assert "metrics are kept and sent when it is back" in caplog.text
+    (tmp_path / "away").rename(store)
+    assert logger.log_epoch({"val_loss": 1.5}, 1)  # the store is back: both go out
+    history = client.get_metric_history(run_id, "val_loss")
+    assert sorted((m.step, m.value) for m in history) == [(0, 1.8), (0, 1.9), (0, 2.0), (1, 1.5)]

@@ -26,17 +26,19 @@ def _a100_cluster(nodes: int) -> Cluster:
     return Cluster(spec, base.device, basis="catalog")
 
 
-def test_megatron_trillion_parameter_throughput_is_predicted_within_a_quarter():
+def test_megatron_trillion_parameter_throughput_is_predicted_as_the_readme_states():
     """Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
     Megatron-LM" (SC 2021), Table 1: a 1T-parameter GPT (hidden 25600, 128 layers, 160 heads,
     sequence 2048, vocabulary 51200), tensor parallel 8 x pipeline 64 x data parallel 6 on 3072
     A100s, batch 3072, fp16, full activation recomputation: 163 TFLOP/s per GPU. Predicted
-    from catalog figures with matmuls at 70 % of peak (and micro-batches of one sequence)."""
+    from catalog figures with matmuls at 70 % of peak (and micro-batches of one sequence):
+    175 TFLOP/s, +7.6 %, the README's figures to their printed digits."""
     work = Workload(GPTShape(51200, 2048, 25600, 128), 160, 3072, "bf16", head_split_by_tp=True)
     assert work.shape.total() == pytest.approx(1008e9, rel=0.01)
     layout = Layout.of("hybrid", dp=6, tp=8, pp=64, microbatches=512, activation_checkpointing=True)
     predicted = predict(work, layout, _a100_cluster(nodes=384))
-    assert predicted.flops_per_device == pytest.approx(163e12, rel=0.25)
+    assert round(predicted.flops_per_device / 1e12) == 175
+    assert f"{predicted.flops_per_device / 163e12 - 1:+.1%}" == "+7.6%"
     assert predicted.fits  # it ran on 80 GB devices
 
 

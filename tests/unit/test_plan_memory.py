@@ -30,8 +30,9 @@ def _gpt(shape: GPTShape) -> GPT:
     [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)],
 )
 def test_per_device_model_state_matches_the_zero_papers_figure(stage, published_gb):
+    """To the figure's (and the README's) one decimal: 120.0, 31.4, 16.6 and 1.9 GB."""
     predicted = sharded_state(7.5e9, dp=64, zero_stage=stage).total / GB
-    assert predicted == pytest.approx(published_gb, rel=0.10)
+    assert round(predicted, 1) == published_gb
 
 
 @pytest.mark.parametrize("shape", SHAPES)
