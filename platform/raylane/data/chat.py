@@ -3,13 +3,14 @@ as pieces that say which text the model learns: the assistants' contents, nothin
 
 The template is rendered twice: once with each content replaced by a marker, to find where the
 template puts it, and once as it is, to check that putting the contents at the markers gives the
-same text (a template that rewrites contents is refused rather than masked wrongly).
+same text (a template that rewrites contents is refused rather than masked wrongly). Each
+content stays a piece of its own, so only the template's text can hold special tokens.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 from raylane.data.errors import DataError
 
@@ -24,9 +25,17 @@ DEFAULT_CHAT_TEMPLATE = (
     "<|{{ message.role }}|>{{ '\\n' }}{{ message.content }}{% endfor %}"
 )
 
-#: A piece of a rendered document: its text and whether the model learns it (its tokens are
-#: labels) or only reads it (labels -100).
-Piece = tuple[str, bool]
+
+class Piece(NamedTuple):
+    """A piece of a document: its text, whether the model learns it (its tokens are labels) or
+    only reads it (labels -100), and whether it is the chat template's own text. Only template
+    text turns special-token text (`<|im_start|>`, the eos token) into special tokens; in the
+    data's own text (contents, text fields, files) it is ordinary text."""
+
+    text: str
+    learnt: bool
+    template: bool = False
+
 
 _MARKER = re.compile("\ue000raylane-content-(\\d+)\ue001")
 
@@ -102,7 +111,7 @@ class ChatTemplate:
         stop = self._tokens["eos_token"]
         for contents in (verbatim, [content.strip() for content in verbatim]):
             pieces = _fill(layout, contents, learnt, stop)
-            if "".join(piece for piece, _ in pieces) == text:
+            if "".join(piece.text for piece in pieces) == text:
                 return pieces
         raise BadRow("chat_template does not render the messages' contents verbatim")
 
@@ -110,7 +119,8 @@ class ChatTemplate:
 def _fill(
     layout: list[str], contents: list[str], learnt: list[bool], stop: str = ""
 ) -> tuple[Piece, ...]:
-    """`layout` (template text and marker numbers, alternating) with the contents put in.
+    """`layout` (template text and marker numbers, alternating) with the contents put in, each
+    content a piece of its own, never joined with template text.
 
     The template text right after a learnt content is learnt up to and including the first
     `stop` (the tokenizer's end-of-sequence token, e.g. `<|im_end|>` or `<|eot_id|>`), so a
@@ -120,17 +130,17 @@ def _fill(
     for position, part in enumerate(layout):
         if position % 2:
             index = int(part)
-            new = [(contents[index], learnt[index])]
+            new = [Piece(contents[index], learnt[index])]
             after_learnt = learnt[index]
         else:
             cut = part.find(stop) + len(stop) if after_learnt and stop and stop in part else 0
-            new = [(part[:cut], True), (part[cut:], False)]
+            new = [Piece(part[:cut], True, True), Piece(part[cut:], False, True)]
             after_learnt = False
         for piece in new:
-            if not piece[0]:
+            if not piece.text:
                 continue
-            if pieces and pieces[-1][1] == piece[1]:
-                pieces[-1] = (pieces[-1][0] + piece[0], piece[1])
+            if pieces and pieces[-1][1:] == piece[1:]:  # learnt and template alike
+                pieces[-1] = piece._replace(text=pieces[-1].text + piece.text)
             else:
                 pieces.append(piece)
     return tuple(pieces)

@@ -37,19 +37,23 @@ log = logging.getLogger("raylane")
 @dataclass(frozen=True)
 class Document:
     """One document: where it came from (`path` or `path:LINE`) and its pieces, each a text and
-    whether the model learns it (plain text: all of it; chat: the assistants' contents)."""
+    whether the model learns it (plain text: all of it; chat: the assistants' contents). A plain
+    `(text, learnt)` pair is taken as a `Piece` of the data's own text."""
 
     origin: str
     pieces: tuple[Piece, ...]
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pieces", tuple(Piece(*piece) for piece in self.pieces))
+
     @property
     def text(self) -> str:
-        return "".join(text for text, _ in self.pieces)
+        return "".join(piece.text for piece in self.pieces)
 
     @property
     def ends_learnt(self) -> bool:
         """Whether the end-of-text token after it is learnt: when its last piece is."""
-        return self.pieces[-1][1]
+        return self.pieces[-1].learnt
 
 
 @dataclass
@@ -129,7 +133,7 @@ def text_document(path: Path) -> Document | str:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         return f"{path}: not UTF-8 at byte {exc.start}"
-    return Document(str(path), ((text, True),))
+    return Document(str(path), (Piece(text, True),))
 
 
 def jsonl_documents(
@@ -169,10 +173,10 @@ def row_pieces(row: Any, text_field: str, chat: Callable[[Any], tuple]) -> tuple
     if not isinstance(row, dict):
         raise BadRow(f"expected a JSON object, found {json_type(row)}")
     if text_field in row:
-        return ((_string(row, text_field), True),)
+        return (Piece(_string(row, text_field), True),)
     if "prompt" in row and "completion" in row:
         prompt = _string(row, "prompt", empty=True)
-        pieces = ((prompt, False), (_string(row, "completion"), True))
+        pieces = (Piece(prompt, False), Piece(_string(row, "completion"), True))
         return pieces if prompt else pieces[1:]
     if "messages" in row:
         return chat(row["messages"])

@@ -35,7 +35,7 @@ from raylane.data.tokenizer import (
 #: The tokenizer beside the splits (none for bytes).
 TOKENIZER_FILE = "tokenizer.json"
 #: Bumped when the same inputs would be prepared differently: the fingerprint changes with it.
-PREPARATION_VERSION = 1
+PREPARATION_VERSION = 2
 #: Data fields that do not change the prepared rows.
 _UNUSED_FIELDS = {"cache", "feed", "max_bytes"}
 _PATH_FIELDS = {"files", "train_path", "validation_path"}

@@ -68,15 +68,19 @@ def token_stream(
 ) -> tuple[np.ndarray, np.ndarray]:
     """The documents' tokens, each document followed by the end-of-text token, and whether each
     token is learnt. Each piece is tokenized on its own, so a learnt piece's tokens are exactly
-    its text's."""
-    texts = [text for document in documents for text, _ in document.pieces]
-    encoded = iter(tokenizer.encode_batch(texts))
+    its text's; only a chat template's pieces turn special-token text into special tokens, so
+    the data's text cannot end a document or a turn where raylane does not."""
+    encoded = {}
+    for template in (False, True):
+        texts = [p.text for d in documents for p in d.pieces if p.template == template]
+        encoded[template] = iter(tokenizer.encode_batch(texts, special_tokens=template))
     ids: list[int] = []
     learnt: list[bool] = []
     for document in documents:
-        for (_, learns), piece_ids in zip(document.pieces, encoded, strict=False):
+        for piece in document.pieces:
+            piece_ids = next(encoded[piece.template])
             ids += piece_ids
-            learnt += [learns] * len(piece_ids)
+            learnt += [piece.learnt] * len(piece_ids)
         ids.append(tokenizer.eot_id)
         learnt.append(document.ends_learnt)
     return np.asarray(ids, dtype=np.int64), np.asarray(learnt, dtype=bool)

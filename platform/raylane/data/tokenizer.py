@@ -40,12 +40,20 @@ class Tokenizer:
     chat_template: str | None = None  # from a tokenizer_config.json beside that file
     bos_token: str = ""
 
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        """Token ids of each text, without special tokens added."""
+    def encode_batch(self, texts: list[str], special_tokens: bool = False) -> list[list[int]]:
+        """Token ids of each text, without special tokens added. Special-token text in the texts
+        (`<|endoftext|>`, `<|im_end|>`) is the special token under `special_tokens` (a chat
+        template's own text), else ordinary text (the data's text, which so cannot end a document
+        or a turn). Bytes: every text is its UTF-8 bytes, whatever `special_tokens` says."""
         if self.hf is None:
             return [list(text.encode("utf-8")) for text in texts]
-        with single_threaded():
-            return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+        before = self.hf.encode_special_tokens
+        self.hf.encode_special_tokens = not special_tokens  # True: special tokens as plain text
+        try:
+            with single_threaded():
+                return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+        finally:
+            self.hf.encode_special_tokens = before
 
     def decode(self, ids: Iterable[int]) -> str:
         """The text of `ids`, special tokens included."""
