@@ -29,6 +29,8 @@ from pathlib import Path
 
 from raylane.config import load_config
 from raylane.data import ensure_dataset
+from raylane.data.ray_datasets import read_datasets
+from raylane.train.trainer import build_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMES = ["none", "fp16", "powersgd", "topk"]
@@ -59,9 +61,6 @@ def bench_config(workdir: Path, args, overrides: list[str]):
 
 def train(cfg, name: str) -> list[dict]:
     """Per-epoch metrics of one run (Ray Train + Ray Data, no MLflow run)."""
-    from raylane.data.ray_datasets import read_datasets
-    from raylane.train.trainer import build_trainer
-
     result = build_trainer(cfg, read_datasets(cfg), name).fit()
     return sorted((m for _, m in result.best_checkpoints), key=lambda m: m["epoch"])
 
@@ -109,7 +108,7 @@ def plot(curves: dict[str, list[dict]], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=8)
     parser.add_argument("--hidden", default="[256,256]")
@@ -117,8 +116,12 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=4, help="straggler: steps between sleeps")
     parser.add_argument("--delay", type=float, default=0.1, help="straggler: seconds per sleep")
     parser.add_argument("--plot", type=Path, default=Path("consistency.png"))
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def run_all(args) -> dict[str, list[dict]]:
+    """Every compression scheme under DDP, then every consistency mode without and with the
+    straggler, on one local Ray: each run's per-epoch metrics by label."""
     import ray
 
     runs: dict[str, list[dict]] = {}
@@ -141,9 +144,13 @@ def main() -> None:
                     runs[label] = train(cfg, f"bench-{mode}-{int(slow)}-{stamp}")
         finally:
             ray.shutdown()
+    return runs
 
+
+def compression_table(runs: dict[str, list[dict]], epochs: int) -> tuple[dict, list[float]]:
+    """(a): prints the table; each scheme's bytes ratio to fp32 and accuracy drops."""
     fp32 = runs["ddp/none"]
-    print(f"\n(a) compression, {args.epochs} epochs, 2 workers")
+    print(f"\n(a) compression, {epochs} epochs, 2 workers")
     print(f"{'scheme':<10} {'bytes/step':>12} {'vs fp32':>8} {'val acc':>8} {'step ms':>8}")
     ratios, drops = {}, []
     for scheme in SCHEMES:
@@ -154,15 +161,19 @@ def main() -> None:
             f"{scheme:<10} {last['comm_bytes_per_step']:>12,.0f} {ratios[scheme]:>8.3f} "
             f"{last['val_accuracy']:>8.3f} {last['step_ms']:>8.2f}"
         )
+    return ratios, drops
 
-    print(f"\n(b) consistency, time to val accuracy {args.target}")
+
+def consistency_table(runs: dict[str, list[dict]], target: float) -> dict[str, float | None]:
+    """(b): prints the table; each run's training seconds to `target` (None: never)."""
+    print(f"\n(b) consistency, time to val accuracy {target}")
     header = f"{'mode':<22} {'to target s':>11} {'final acc':>9} {'step ms':>8} {'data':>6}"
     print(header + f" {'compute':>8} {'comm':>6} {'straggler':>9} {'staleness':>9}")
     reached = {}
     for mode in MODES:
         for label in (mode, f"{mode} + straggler"):
             history = runs[label]
-            reached[label] = time_to(history, args.target)
+            reached[label] = time_to(history, target)
             shown = "-" if reached[label] is None else f"{reached[label]:.2f}"
             last = history[-1]
             print(
@@ -171,6 +182,14 @@ def main() -> None:
                 f"{last['step_comm_ms']:>6.2f} {last['step_straggler_ms']:>9.2f} "
                 f"{last.get('staleness_mean', 0.0):>9.2f}"
             )
+    return reached
+
+
+def main() -> None:
+    args = parse_args()
+    runs = run_all(args)
+    ratios, drops = compression_table(runs, args.epochs)
+    reached = consistency_table(runs, args.target)
     plot({k: v for k, v in runs.items() if not k.startswith("ddp/")}, args.plot)
     print(f"convergence plot: {args.plot}")
 

@@ -46,6 +46,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from raylane.train.checkpointing import load_model_state
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 MONITOR_S = 2.0
@@ -235,8 +237,6 @@ def _final_state(run: dict, tracking_uri: str) -> tuple[dict, list[float]]:
     """The run's final weights (its last checkpoint) and its epochs' training losses (MLflow)."""
     import torch
     from mlflow.tracking import MlflowClient
-
-    from raylane.train.checkpointing import load_model_state
 
     run_dir = Path(run["storage"]).joinpath(run["run_name"])
     final = sorted(p for p in run_dir.glob("epoch_*") if "_step_" not in p.name)[-1]

@@ -35,8 +35,10 @@ import torch
 
 from raylane.config import load_config
 from raylane.data.text import stdlib_source_files, token_windows
+from raylane.generation.engine import GenerationEngine
+from raylane.generation.sampling import SamplingParams
 from raylane.models import build_model
-from raylane.models.adapters import adapter_state, apply_lora
+from raylane.models.adapters import adapter_state, apply_lora, load_adapter, merge_adapters
 from raylane.models.losses import cross_entropy
 from raylane.models.optim import build_optimizer
 from raylane.parallel.base import StrategyDefaults
@@ -173,9 +175,6 @@ def multi_adapter_vs_merged(base_state, ft_cfg, adapters: dict, data, args) -> d
     answering the same requests: requests/s of a `GenerationEngine` with 8 cache slots, greedy,
     `REQUESTS` requests of a 16-byte prompt and up to 32 new bytes (medians of `REPEATS`,
     alternated). The adapted requests' text must equal the merged models' token for token."""
-    from raylane.generation.engine import GenerationEngine
-    from raylane.generation.sampling import SamplingParams
-    from raylane.models.adapters import load_adapter, merge_adapters
 
     def base():
         model = build_model(ft_cfg.model)

@@ -48,26 +48,28 @@ from pathlib import Path
 import torch
 
 from raylane.config import load_config
+from raylane.data import ensure_dataset
+from raylane.data.parquet import read_rows
 from raylane.generation.engine import GenerationEngine, generate_without_cache
+from raylane.generation.hf_peer import hf_greedy, to_hf_gpt2
+from raylane.generation.loader import load_language_model
+from raylane.generation.quantize import bits_per_byte, quantize_int8, weight_bytes
 from raylane.generation.sampling import SamplingParams
+from raylane.models import build_model
+from raylane.serving.app import resolve_served_version
+from raylane.tracking import resolve_tracking_uri
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = b"import os\nimport sys\n\n\ndef main(argv):\n    "
 
 
 def load_weights(cfg):
-    from raylane.generation.loader import load_language_model
-    from raylane.serving.app import resolve_served_version
-    from raylane.tracking import resolve_tracking_uri
-
     try:
         uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
         version = resolve_served_version(cfg, uri)
         model, card = load_language_model(uri, cfg.tracking.registered_model, version)
         return model, f"{card.registered_model} v{card.version}"
     except Exception as exc:  # noqa: BLE001 - no registered model: time fresh weights
-        from raylane.models import build_model
-
         torch.manual_seed(0)
         return build_model(cfg.model).eval(), f"fresh weights ({type(exc).__name__})"
 
@@ -104,10 +106,6 @@ def speculative_stream(
 def int8_comparison(cfg, model, new_tokens: int, windows: int) -> dict:
     import copy
 
-    from raylane.data import ensure_dataset
-    from raylane.data.parquet import read_rows
-    from raylane.generation.quantize import bits_per_byte, quantize_int8, weight_bytes
-
     ensure_dataset(cfg)
     tokens, labels = (
         torch.as_tensor(a).long() for a in read_rows(cfg.data.validation_path, cfg, limit=windows)
@@ -136,8 +134,6 @@ def int8_comparison(cfg, model, new_tokens: int, windows: int) -> dict:
 
 
 def hf_stream(model, new_tokens: int, expected: list[int]) -> dict:
-    from raylane.generation.hf_peer import hf_greedy, to_hf_gpt2
-
     peer = to_hf_gpt2(model)
     hf_greedy(peer, list(PROMPT), 4)  # warm-up: first-call set-up is not decoding
     started = time.perf_counter()
@@ -147,9 +143,6 @@ def hf_stream(model, new_tokens: int, expected: list[int]) -> dict:
 
 def varied_prompts(cfg, count: int, length: int = 64) -> list[list[int]]:
     """`count` prompts of `length` bytes from windows spread over the validation split."""
-    from raylane.data import ensure_dataset
-    from raylane.data.parquet import read_rows
-
     ensure_dataset(cfg)
     tokens, _ = read_rows(cfg.data.validation_path, cfg, limit=16 * count)
     return [list(map(int, tokens[16 * i][:length])) for i in range(count)]
@@ -229,7 +222,7 @@ def serve_trace(model, trace, slots: int, continuous: bool) -> dict:
     }
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", default=str(ROOT / "configs" / "train" / "lm_serve.yaml"))
     parser.add_argument("--set", dest="overrides", action="append", default=[])
@@ -242,18 +235,12 @@ def main() -> None:
     parser.add_argument("--draft-config", default=str(ROOT / "configs" / "train" / "lm_draft.yaml"))
     parser.add_argument("--eval-windows", type=int, default=256)
     parser.add_argument("--varied-prompts", type=int, default=4)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    cfg = load_config(args.config, args.overrides)
-    model, source = load_weights(cfg)
-    context = cfg.model.input_dim
-    new_tokens = min(args.new_tokens, context - len(PROMPT))
-    draft, draft_source = load_weights(load_config(args.draft_config))
-    print(f"weights: {source}; context {context}, {new_tokens} new tokens", flush=True)
-    print(f"draft: {draft_source}", flush=True)
+    return parser.parse_args()
 
-    prompts = varied_prompts(cfg, args.varied_prompts)
-    varied_tokens = min(new_tokens, context - max(map(len, prompts)))
+
+def stream_runs(model, draft, prompts, new_tokens: int, varied_tokens: int, args) -> dict:
+    """(a), (b), (e) and (f), `--repeat` times, each run printed as it ends: the runs' figures
+    by name ('single', 'hf', 'spec', 'lookup', 'varied')."""
     single, hf, spec, lookup, varied = [], [], [], [], []
     for index in range(args.repeat):
         single.append(single_stream(model, new_tokens))
@@ -273,15 +260,11 @@ def main() -> None:
             f"{varied[-1]['spec_s']:.2f} s (accepted {varied[-1]['acceptance']:.0%})",
             flush=True,
         )
-    int8 = [int8_comparison(cfg, model, new_tokens, args.eval_windows) for _ in range(args.repeat)]
-    print(
-        "int8: {int8_bytes:,} bytes against {fp32_bytes:,}; {int8_bpb:.4f} bits/byte against "
-        "{fp32_bpb:.4f}; {int8_s:.2f} s against {fp32_s:.2f} s per stream".format(**int8[-1]),
-        flush=True,
-    )
-    sample_text = (PROMPT + bytes(single[0]["tokens"])).decode("utf-8", errors="replace")
-    print("greedy sample:\n" + sample_text, flush=True)
-    trace = arrivals(args.requests, args.rate, seed=0, longest=context - len(PROMPT))
+    return {"single": single, "hf": hf, "spec": spec, "lookup": lookup, "varied": varied}
+
+
+def batching_runs(model, trace, args) -> dict[str, list[dict]]:
+    """(c): static and continuous batching of the same trace, `--repeat` times each."""
     batching = {"static": [], "continuous": []}
     for _ in range(args.repeat):
         for name in batching:
@@ -292,12 +275,18 @@ def main() -> None:
                                                                       "ttft_p99_s"))),
             flush=True,
         )  # fmt: skip
+    return batching
 
-    def med(rows, key):
-        return statistics.median(r[key] for r in rows)
 
-    static, cont = batching["static"], batching["continuous"]
-    result = {
+def med(rows, key):
+    return statistics.median(r[key] for r in rows)
+
+
+def summary(runs: dict, source: str, draft_source: str, new_tokens: int, args) -> dict:
+    """The last line's figures, from the medians of every section's runs."""
+    single, hf, spec, lookup = runs["single"], runs["hf"], runs["spec"], runs["lookup"]
+    varied, int8, static, cont = runs["varied"], runs["int8"], runs["static"], runs["continuous"]
+    return {
         "weights": source,
         "new_tokens": new_tokens,
         "kv_vs_nocache": round(med(single, "nocache_s") / med(single, "kv_s"), 2),
@@ -317,7 +306,7 @@ def main() -> None:
         "lookup_acceptance": round(med(lookup, "acceptance"), 3),
         "varied_spec_speedup": round(med(varied, "plain_s") / med(varied, "spec_s"), 2),
         "varied_spec_acceptance": round(med(varied, "acceptance"), 3),
-        "varied_prompts": len(prompts),
+        "varied_prompts": args.varied_prompts,
         "greedy_identical": all(r["same"] for r in single + hf + spec + lookup),
         "continuous_vs_static": round(med(cont, "tokens_per_s") / med(static, "tokens_per_s"), 2),
         "ttft_p99_ratio": round(med(cont, "ttft_p99_s") / med(static, "ttft_p99_s"), 2),
@@ -325,6 +314,33 @@ def main() -> None:
         "continuous": {k: round(med(cont, k), 3) for k in cont[0]},
         "repeat": args.repeat,
     }
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    cfg = load_config(args.config, args.overrides)
+    model, source = load_weights(cfg)
+    context = cfg.model.input_dim
+    new_tokens = min(args.new_tokens, context - len(PROMPT))
+    draft, draft_source = load_weights(load_config(args.draft_config))
+    print(f"weights: {source}; context {context}, {new_tokens} new tokens", flush=True)
+    print(f"draft: {draft_source}", flush=True)
+
+    prompts = varied_prompts(cfg, args.varied_prompts)
+    varied_tokens = min(new_tokens, context - max(map(len, prompts)))
+    runs = stream_runs(model, draft, prompts, new_tokens, varied_tokens, args)
+    int8 = [int8_comparison(cfg, model, new_tokens, args.eval_windows) for _ in range(args.repeat)]
+    print(
+        "int8: {int8_bytes:,} bytes against {fp32_bytes:,}; {int8_bpb:.4f} bits/byte against "
+        "{fp32_bpb:.4f}; {int8_s:.2f} s against {fp32_s:.2f} s per stream".format(**int8[-1]),
+        flush=True,
+    )
+    sample_text = (PROMPT + bytes(runs["single"][0]["tokens"])).decode("utf-8", errors="replace")
+    print("greedy sample:\n" + sample_text, flush=True)
+    trace = arrivals(args.requests, args.rate, seed=0, longest=context - len(PROMPT))
+    runs |= {"int8": int8, **batching_runs(model, trace, args)}
+    result = summary(runs, source, draft_source, new_tokens, args)
     print(json.dumps(result))
     sys.exit(0 if result["greedy_identical"] else 1)
 

@@ -53,6 +53,15 @@ from raylane.parallel.device import synchronize  # noqa: E402
 from raylane.parallel.parallelize import apply_compile  # noqa: E402
 from raylane.parallel.precision import apply_matmul_precision  # noqa: E402
 
+try:  # the cost model validates its catalog with pydantic, which a bare GPU machine may lack
+    from raylane.plan.cost import Layout, Workload, predict  # noqa: E402
+    from raylane.plan.hardware import catalog_cluster  # noqa: E402
+    from raylane.plan.memory import GPTShape  # noqa: E402
+except ImportError as exc:
+    COST_MODEL_MISSING: str | None = str(exc)
+else:
+    COST_MODEL_MISSING = None
+
 #: Dense bf16 TFLOP/s by device name (the catalog's figures: configs/hardware/catalog.yaml).
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L4": 121.0}
 SIZES = {
@@ -225,12 +234,8 @@ def learn(model, draw, steps: int, device, precision="bf16", lr=1e-3) -> float:
 def cost_model_section(model: GPT, measured: dict, batch: int, context: int) -> dict:
     """The cost model's step time and peak memory for the bf16 eager step on this GPU (its
     catalog entry, one device), beside the measured ones."""
-    try:
-        from raylane.plan.cost import Layout, Workload, predict
-        from raylane.plan.hardware import catalog_cluster
-        from raylane.plan.memory import GPTShape
-    except ImportError as exc:  # pydantic is not on this machine
-        return {"skipped": f"the cost model needs pydantic ({exc})"}
+    if COST_MODEL_MISSING is not None:  # pydantic is not on this machine
+        return {"skipped": f"the cost model needs pydantic ({COST_MODEL_MISSING})"}
     name = torch.cuda.get_device_name()
     key = next((k for k in CATALOG_KEYS if k in name), None)
     if key is None:

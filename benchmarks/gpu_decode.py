@@ -13,6 +13,7 @@ from raylane.generation.engine import GenerationEngine, generate_without_cache
 from raylane.generation.hf_peer import hf_greedy_batch, to_hf_gpt2
 from raylane.generation.next_token import Sampling
 from raylane.generation.placement import place_model
+from raylane.generation.quantize import bits_per_byte, quantize_int8, weight_bytes
 from raylane.parallel.device import synchronize
 
 PROMPT = b"import os\nimport sys\n\n\ndef main(argv):\n    "
@@ -95,8 +96,6 @@ def speculative_speed(model, draft, new_tokens, repeats, device, expected) -> di
 
 def weights_section(model, text: torch.Tensor, context: int, device) -> dict:
     """Bytes and bits per byte of the fp32 weights, bf16 and int8 (torchao, where installed)."""
-    from raylane.generation.quantize import bits_per_byte, weight_bytes
-
     rows = min(16, (len(text) - 1) // context)
     span = text[: rows * context + 1].to(device)
     tokens, labels = span[:-1].view(rows, context), span[1:].view(rows, context)
@@ -104,8 +103,6 @@ def weights_section(model, text: torch.Tensor, context: int, device) -> dict:
     half = copy.deepcopy(model).to(torch.bfloat16)
     found.update(bf16_bytes=weight_bytes(half), bf16_bpb=bits_per_byte(half, tokens, labels))
     try:
-        from raylane.generation.quantize import quantize_int8
-
         int8 = quantize_int8(copy.deepcopy(model))
     except ImportError as exc:
         found["int8"] = f"skipped: torchao is not installed ({exc})"

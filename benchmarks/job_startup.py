@@ -115,101 +115,129 @@ def medians(samples: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(statistics.median(s[k] for s in samples), 2) for k in keys}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeat", type=int, default=3)
-    args = parser.parse_args()
+def store(work: Path) -> str:
+    """The MLflow store every run of this benchmark logs to."""
+    return f"sqlite:///{work}/mlflow.db"
 
-    work = Path(tempfile.mkdtemp(prefix="raylane-job-startup-"))
-    tracking_uri = f"sqlite:///{work}/mlflow.db"
+
+def with_sets(overrides: list[str]) -> list[str]:
+    return [part for item in overrides for part in ("--set", item)]
+
+
+def prepare(work: Path) -> tuple[list[str], dict[str, str]]:
+    """The job's overrides (data, runs and tracking under `work`) and the environment every
+    process runs with; the data set is prepared once, before anything is timed."""
     overrides = [
         f"data.train_path={work}/data/train.parquet",
         f"data.validation_path={work}/data/validation.parquet",
         f"training.storage_path={work}/runs",
-        f"tracking.tracking_uri={tracking_uri}",
+        f"tracking.tracking_uri={store(work)}",
         "training.epochs=1",
     ]
-    sets = [part for item in overrides for part in ("--set", item)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(MLFLOW_DISABLE_TELEMETRY="true", COLUMNS="200")
-    raylane = [str(BIN / "raylane"), "train", "--config", str(CONFIG), *sets]
     subprocess.run(
-        [str(BIN / "raylane"), "prepare", "--config", str(CONFIG), *sets],
+        [str(BIN / "raylane"), "prepare", "--config", str(CONFIG), *with_sets(overrides)],
         cwd=ROOT, env=env, check=True, capture_output=True,
     )  # fmt: skip
+    return overrides, env
 
-    figures: dict[str, list[float]] = {
-        "bare": [], "bare_training": [], "fresh": [], "warm": [], "ray_floor": [],
-        "ray_floor_default": [],
-    }  # fmt: skip
-    phases: dict[str, list[dict[str, float]]] = {"fresh": [], "warm": []}
+
+def cold_runs(args, work: Path, overrides: list[str], env: dict[str, str], figures, phases):
+    """(a) and (b), `--repeat` times each."""
+    raylane = [str(BIN / "raylane"), "train", "--config", str(CONFIG), *with_sets(overrides)]
     for _ in range(args.repeat):
         elapsed, output = timed([sys.executable, "-c", BARE, str(CONFIG), *overrides], env)
         figures["bare"].append(elapsed)
         figures["bare_training"].append(float(output.split("training_s ")[1].split()[0]))
         elapsed, output = timed(raylane, env)
         figures["fresh"].append(elapsed)
-        phases["fresh"].append(run_phases(tracking_uri, output))
+        phases["fresh"].append(run_phases(store(work), output))
         print(f"bare {figures['bare'][-1]:.1f} s, fresh {elapsed:.1f} s", flush=True)
 
+
+def start_cluster(work: Path, env: dict[str, str]) -> tuple[int, dict[str, str]]:
+    """A `ray start --head` on a free port; its port and the environment that reaches it."""
     port = free_port()
     # The cluster's token lives with this run (RAY_AUTH_TOKEN_PATH), not in ~/.ray.
     token = work / "auth_token"
     token.write_text(uuid.uuid4().hex)
     cluster_env = {**env, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token)}
-    ray_cli = str(BIN / "ray")
     subprocess.run(
-        [ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
+        [str(BIN / "ray"), "start", "--head", "--node-ip-address=127.0.0.1", f"--port={port}",
          "--dashboard-host=127.0.0.1", f"--dashboard-port={free_port()}",
          f"--ray-client-server-port={free_port()}", "--disable-usage-stats"],
         env=cluster_env, check=True, capture_output=True, timeout=120,
     )  # fmt: skip
-    warm_env = {**cluster_env, "RAY_ADDRESS": f"127.0.0.1:{port}"}
-    try:
-        for index in range(args.repeat):
-            elapsed, output = timed(raylane, warm_env)
-            figures["warm"].append(elapsed)
-            phases["warm"].append(run_phases(tracking_uri, output))
-            floor_command = [sys.executable, "-c", FLOOR, f"127.0.0.1:{port}", str(work / "floor")]
-            for name, interval in (("ray_floor", HEALTH_CHECK_S), ("ray_floor_default", "2")):
-                floor_env = {**warm_env, HEALTH_CHECK_ENV: interval}
-                elapsed, _ = timed([*floor_command, f"{name}-{index}"], floor_env)
-                figures[name].append(elapsed)
-            print(
-                f"warm {figures['warm'][-1]:.1f} s, ray floor {figures['ray_floor'][-1]:.1f} s"
-                f" (health checks every 2 s: {figures['ray_floor_default'][-1]:.1f} s)",
-                flush=True,
-            )
-    finally:
-        subprocess.run([ray_cli, "stop", "--force"], env=cluster_env, capture_output=True)
-        shutil.rmtree(work, ignore_errors=True)
+    return port, cluster_env
 
+
+def warm_runs(args, work, overrides, port: int, cluster_env, figures, phases) -> None:
+    """(c) and (d) on the running cluster, `--repeat` times each."""
+    raylane = [str(BIN / "raylane"), "train", "--config", str(CONFIG), *with_sets(overrides)]
+    warm_env = {**cluster_env, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    for index in range(args.repeat):
+        elapsed, output = timed(raylane, warm_env)
+        figures["warm"].append(elapsed)
+        phases["warm"].append(run_phases(store(work), output))
+        floor_command = [sys.executable, "-c", FLOOR, f"127.0.0.1:{port}", str(work / "floor")]
+        for name, interval in (("ray_floor", HEALTH_CHECK_S), ("ray_floor_default", "2")):
+            floor_env = {**warm_env, HEALTH_CHECK_ENV: interval}
+            elapsed, _ = timed([*floor_command, f"{name}-{index}"], floor_env)
+            figures[name].append(elapsed)
+        print(
+            f"warm {figures['warm'][-1]:.1f} s, ray floor {figures['ray_floor'][-1]:.1f} s"
+            f" (health checks every 2 s: {figures['ray_floor_default'][-1]:.1f} s)",
+            flush=True,
+        )
+
+
+def report(figures: dict[str, list[float]], phases, repeat: int) -> dict:
+    """Prints the phase medians; the last line's figures."""
     wall = {name: round(statistics.median(values), 2) for name, values in figures.items()}
     fresh, warm = medians(phases["fresh"]), medians(phases["warm"])
     for name, table in (("fresh local Ray", fresh), ("running cluster", warm)):
         print(f"phases, {name} (median s): " + " · ".join(f"{k} {v}" for k, v in table.items()))
-    print(
-        json.dumps(
-            {
-                "bare_s": wall["bare"],
-                "raylane_fresh_s": wall["fresh"],
-                "raylane_warm_s": wall["warm"],
-                "ray_floor_s": wall["ray_floor"],
-                "ray_floor_default_s": wall["ray_floor_default"],
-                "fixed_overhead_s": round(wall["fresh"] - wall["bare"], 2),
-                "fixed_overhead_warm_s": round(wall["warm"] - wall["bare"], 2),
-                "bare_training_s": wall["bare_training"],
-                # What raylane adds to a Ray Train job on a running cluster: its warm wall time
-                # less Ray Train's own floor and the training itself (the bare loop's).
-                "raylane_over_floor_warm_s": round(
-                    wall["warm"] - wall["ray_floor"] - wall["bare_training"], 2
-                ),
-                "phases_fresh_s": fresh,
-                "phases_warm_s": warm,
-                "repeat": args.repeat,
-            }
-        )
-    )
+    return {
+        "bare_s": wall["bare"],
+        "raylane_fresh_s": wall["fresh"],
+        "raylane_warm_s": wall["warm"],
+        "ray_floor_s": wall["ray_floor"],
+        "ray_floor_default_s": wall["ray_floor_default"],
+        "fixed_overhead_s": round(wall["fresh"] - wall["bare"], 2),
+        "fixed_overhead_warm_s": round(wall["warm"] - wall["bare"], 2),
+        "bare_training_s": wall["bare_training"],
+        # What raylane adds to a Ray Train job on a running cluster: its warm wall time less
+        # Ray Train's own floor and the training itself (the bare loop's).
+        "raylane_over_floor_warm_s": round(
+            wall["warm"] - wall["ray_floor"] - wall["bare_training"], 2
+        ),
+        "phases_fresh_s": fresh,
+        "phases_warm_s": warm,
+        "repeat": repeat,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="raylane-job-startup-"))
+    overrides, env = prepare(work)
+    figures: dict[str, list[float]] = {
+        "bare": [], "bare_training": [], "fresh": [], "warm": [], "ray_floor": [],
+        "ray_floor_default": [],
+    }  # fmt: skip
+    phases: dict[str, list[dict[str, float]]] = {"fresh": [], "warm": []}
+    cold_runs(args, work, overrides, env, figures, phases)
+    port, cluster_env = start_cluster(work, env)
+    try:
+        warm_runs(args, work, overrides, port, cluster_env, figures, phases)
+    finally:
+        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=cluster_env, capture_output=True)
+        shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(report(figures, phases, args.repeat)))
 
 
 if __name__ == "__main__":

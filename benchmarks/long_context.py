@@ -34,6 +34,15 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+from raylane.models.gpt import GPT
+from raylane.parallel.meters import ActivationMeter
+from raylane.parallel.parallelize import (
+    apply_context_parallel,
+    apply_tensor_parallel,
+    sharded_loss,
+)
+from raylane.parallel.ring_attention import shard_sequence
+
 LENGTHS = (1024, 2048, 4096)
 WORLDS = (1, 2, 4)
 BATCH = 2
@@ -48,9 +57,6 @@ def _free_port() -> int:
 def _worker(rank: int, world: int, port: int, job: dict, results) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
-
-    from raylane.models.gpt import GPT
-    from raylane.parallel.meters import ActivationMeter
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -86,15 +92,10 @@ def _setup(model, job: dict, rank: int, world: int, length: int):
     tokens = torch.randint(0, 256, (BATCH, length + 1), generator=torch.Generator().manual_seed(1))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     if job["kind"] == "cp" and world > 1:
-        from raylane.parallel.parallelize import apply_context_parallel
-        from raylane.parallel.ring_attention import shard_sequence
-
         apply_context_parallel(model, dist.group.WORLD, rank, world)
         return shard_sequence(inputs, 1, rank, world), shard_sequence(targets, 1, rank, world)
     if job["kind"] == "tp":
         from torch.distributed.device_mesh import init_device_mesh
-
-        from raylane.parallel.parallelize import apply_tensor_parallel
 
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
         sequence = job["sequence_parallel"]
@@ -106,8 +107,6 @@ def _loss_scope(job: dict):
     """Sequence parallelism's vocabulary-split head: the loss under torch's `loss_parallel`,
     as raylane's training step runs it."""
     if job.get("sequence_parallel"):
-        from raylane.parallel.parallelize import sharded_loss
-
         return sharded_loss()
     return contextlib.nullcontext()
 

@@ -23,7 +23,10 @@ import time
 from pathlib import Path
 
 from raylane.config import load_config
+from raylane.config.layout import replicas
 from raylane.data import ensure_dataset
+from raylane.data.ray_datasets import read_datasets
+from raylane.train.trainer import build_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 STATE = ("param", "grad", "optimizer_state")
@@ -48,8 +51,6 @@ LAYOUTS = {
 
 def bench_config(workdir: Path, args, workers: int, overrides: list[str]):
     """The same global batch (`--batch` rows) for every layout: per replica, batch / replicas."""
-    from raylane.config.layout import replicas
-
     base = [
         f"data.train_path={workdir}/data/train.parquet",
         f"data.validation_path={workdir}/data/validation.parquet",
@@ -76,9 +77,6 @@ def bench_config(workdir: Path, args, workers: int, overrides: list[str]):
 
 def train(cfg, name: str) -> dict:
     """The last epoch's metrics of one run (Ray Train + Ray Data, no MLflow run)."""
-    from raylane.data.ray_datasets import read_datasets
-    from raylane.train.trainer import build_trainer
-
     result = build_trainer(cfg, read_datasets(cfg), name).fit()
     return max((m for _, m in result.best_checkpoints), key=lambda m: m["epoch"])
 
@@ -87,13 +85,8 @@ def state_mb(metrics: dict) -> float:
     return sum(metrics[f"worker_{part}_mb"] for part in STATE)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--d-model", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per epoch")
-    parser.add_argument("--batch", type=int, default=32, help="global batch (rows per step)")
-    args = parser.parse_args()
-
+def run_all(args) -> dict[tuple[int, str], dict]:
+    """Every layout at 2 and 4 workers on one local Ray: the last epoch's metrics of each."""
     import ray
 
     results: dict[tuple[int, str], dict] = {}
@@ -111,7 +104,16 @@ def main() -> None:
                     results[workers, name] = train(cfg, f"mem-{workers}-{slug}-{stamp}")
         finally:
             ray.shutdown()
+    return results
 
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--d-model", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=8, help="optimizer steps per epoch")
+    parser.add_argument("--batch", type=int, default=32, help="global batch (rows per step)")
+    args = parser.parse_args()
+    results = run_all(args)
     print(f"\nper-worker memory (largest worker, MB), d_model {args.d_model}, 4 blocks")
     print(
         f"{'workers':>7} {'layout':<10} {'params':>8} {'grads':>8} {'optim':>8} {'state':>8} "

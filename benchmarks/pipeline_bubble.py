@@ -20,6 +20,11 @@ import json
 import tempfile
 from pathlib import Path
 
+from raylane.config import load_config
+from raylane.models import build_model
+from raylane.models.losses import cross_entropy
+from raylane.parallel import get_strategy
+
 ROOT = Path(__file__).resolve().parents[1]
 MICROBATCHES = (1, 2, 4, 8, 16)
 SCHEDULES = ("gpipe", "1f1b")
@@ -29,11 +34,6 @@ def _worker(loop_config: dict) -> list[dict]:
     """Every (schedule, m) on the same worker group; warm-up steps excluded."""
     import ray.train
     import torch
-
-    from raylane.config import load_config
-    from raylane.models import build_model
-    from raylane.models.losses import cross_entropy
-    from raylane.parallel import get_strategy
 
     rank = ray.train.get_context().get_world_rank()
     torch.set_num_threads(1)
@@ -68,7 +68,7 @@ def _worker(loop_config: dict) -> list[dict]:
     return results
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=8, help="Measured steps per setting.")
     parser.add_argument("--warmup", type=int, default=2)
@@ -76,8 +76,11 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--context", type=int, default=64)
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def run_all(args) -> list[dict]:
+    """Every (schedule, m) on 2 Ray Train workers of a local Ray: the first worker's stats."""
     import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -107,7 +110,12 @@ def main() -> None:
             results = trainer.fit().return_value
     finally:
         ray.shutdown()
+    return results
 
+
+def main() -> None:
+    args = parse_args()
+    results = run_all(args)
     print(f"p=2, global batch {args.batch}, GPT d_model={args.d_model} layers={args.layers} "
           f"context={args.context}, {args.steps} measured steps per setting")  # fmt: skip
     header = f"{'schedule':<8} {'m':>3} {'step ms':>8} {'efficiency':>10} {'bound':>6} "

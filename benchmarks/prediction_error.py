@@ -27,7 +27,11 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+from raylane.data import ensure_dataset
+from raylane.plan.measured import predict_config
+from raylane.profile.job import load_or_measure
 from raylane.tune.calibration import measured_calibration, pooled
+from raylane.tune.candidates import Candidate, enumerate_candidates, trial_config
 from raylane.tune.search import run_search
 from raylane.tune.spec import TuneSpec
 
@@ -74,10 +78,6 @@ def measure(epochs: int, steps: int) -> dict:
     """Profile the cluster and run every layout as a trial; what was measured, as JSON."""
     import ray
 
-    from raylane.data import ensure_dataset
-    from raylane.profile.job import load_or_measure
-    from raylane.tune.candidates import enumerate_candidates, trial_config
-
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         spec = make_spec(workdir, epochs, steps)
@@ -112,9 +112,6 @@ def measure(epochs: int, steps: int) -> dict:
 
 def score(run: dict) -> dict:
     """Predict every measured layout from the run's profile with the current cost model."""
-    from raylane.plan.measured import predict_config
-    from raylane.tune.candidates import Candidate, trial_config
-
     spec = make_spec(Path(tempfile.gettempdir()), run["epochs"], run["steps"])
     profile = run["profile"]
     measured = [t for t in run["trials"] if t["step_ms"]]
@@ -128,6 +125,34 @@ def score(run: dict) -> dict:
                                        None)
         for t in measured
     }  # fmt: skip
+    by_strategy, raw_by_strategy = print_layouts(run, measured, raw, own)
+    everything = [e for errors in by_strategy.values() for e in errors]
+    repeat = run.get("calibration_repeat_ms")
+    calibration = pooled(list(own.values()))
+    return {
+        "layouts": len(measured),
+        "calibrated_by": "the layouts measured before each (median ratio)",
+        "first_scale": round(own[measured[0]["key"]].step_scale, 3),
+        "calibration_repeat_error": (
+            round(abs(repeat - reference["step_ms"]) / reference["step_ms"], 3) if repeat else None
+        ),
+        "step_scale": round(calibration.step_scale, 3),
+        "median_pred_error": round(statistics.median(everything), 3),
+        "median_pred_error_raw": round(
+            statistics.median(e for errors in raw_by_strategy.values() for e in errors), 3
+        ),
+        "by_strategy": {
+            s: round(statistics.median(errors), 3) for s, errors in sorted(by_strategy.items())
+        },
+        "by_strategy_raw": {
+            s: round(statistics.median(errors), 3) for s, errors in sorted(raw_by_strategy.items())
+        },
+    }
+
+
+def print_layouts(run: dict, measured: list[dict], raw: dict, own: dict) -> tuple[dict, dict]:
+    """Print each layout measured and predicted (calibrated by the layouts measured before
+    it, as the searcher knew them then); each strategy's |errors|, calibrated and raw."""
     by_strategy: dict[str, list[float]] = defaultdict(list)
     raw_by_strategy: dict[str, list[float]] = defaultdict(list)
     print(f"{'layout':34s} {'':9s}" + "".join(f"{p:>10s}" for p in ("step", *PARTS)))
@@ -151,28 +176,7 @@ def score(run: dict) -> dict:
     for trial in run["trials"]:
         if not trial["step_ms"]:
             print(f"{trial['key']:34s} {trial['status']}: {trial['detail']}")
-    everything = [e for errors in by_strategy.values() for e in errors]
-    repeat = run.get("calibration_repeat_ms")
-    calibration = pooled(list(own.values()))
-    return {
-        "layouts": len(measured),
-        "calibrated_by": "the layouts measured before each (median ratio)",
-        "first_scale": round(own[measured[0]["key"]].step_scale, 3),
-        "calibration_repeat_error": (
-            round(abs(repeat - reference["step_ms"]) / reference["step_ms"], 3) if repeat else None
-        ),
-        "step_scale": round(calibration.step_scale, 3),
-        "median_pred_error": round(statistics.median(everything), 3),
-        "median_pred_error_raw": round(
-            statistics.median(e for errors in raw_by_strategy.values() for e in errors), 3
-        ),
-        "by_strategy": {
-            s: round(statistics.median(errors), 3) for s, errors in sorted(by_strategy.items())
-        },
-        "by_strategy_raw": {
-            s: round(statistics.median(errors), 3) for s, errors in sorted(raw_by_strategy.items())
-        },
-    }
+    return by_strategy, raw_by_strategy
 
 
 def main() -> None:

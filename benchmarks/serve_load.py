@@ -30,15 +30,32 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
+import mlflow
 import numpy as np
+import ray
 import torch
+from ray import serve
+from sklearn.datasets import load_digits
+
+from raylane.config import load_config
+from raylane.inference import Predictor
+from raylane.models import build_model
+from raylane.runtime import connect_ray
+from raylane.serving.app import APP_NAME, deploy, shutdown_serve
+from raylane.serving.loadgen import LoadResult, run_load
+from raylane.serving.status import state_name
+from raylane.tracking.runs import log_trained_model
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "bench-mlp"
@@ -48,8 +65,6 @@ HIDDEN = "[2048,2048,2048,2048]"
 def bench_config(workdir: Path, args, port: int, one_replica: bool = False):
     """The reference config with the benchmark's model; serving settings stay the defaults
     (`one_replica`: pinned to one replica of one CPU, after `--set`)."""
-    from raylane.config import load_config
-
     pinned = [
         "serving.replica_cpus=1",
         "serving.autoscaling.min_replicas=1",
@@ -71,8 +86,6 @@ def bench_config(workdir: Path, args, port: int, one_replica: bool = False):
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -80,12 +93,6 @@ def free_port() -> int:
 
 def register_model(cfg) -> float:
     """Train the wide MLP for two epochs on digits, log and register it; return accuracy."""
-    import mlflow
-    from sklearn.datasets import load_digits
-
-    from raylane.models import build_model
-    from raylane.tracking.runs import log_trained_model
-
     torch.manual_seed(0)
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32)
@@ -112,36 +119,21 @@ def register_model(cfg) -> float:
     return accuracy
 
 
+def features(rows: np.ndarray) -> dict:
+    """The request's one input tensor, without its data."""
+    return {"name": "features", "shape": list(rows.shape), "datatype": "FP32"}
+
+
 def infer_body(rows: np.ndarray) -> dict:
     rows = rows.reshape(-1, rows.shape[-1])
-    return {
-        "inputs": [
-            {
-                "name": "features",
-                "shape": list(rows.shape),
-                "datatype": "FP32",
-                "data": rows.reshape(-1).tolist(),
-            }
-        ]
-    }
+    return {"inputs": [{**features(rows), "data": rows.reshape(-1).tolist()}]}
 
 
 def binary_infer_body(rows: np.ndarray) -> tuple[bytes, dict[str, str]]:
     """The same request in the OIP binary tensor data extension, binary outputs asked for."""
     raw = rows.astype("<f4").tobytes()
-    header = json.dumps(
-        {
-            "inputs": [
-                {
-                    "name": "features",
-                    "shape": list(rows.shape),
-                    "datatype": "FP32",
-                    "parameters": {"binary_data_size": len(raw)},
-                }
-            ],
-            "parameters": {"binary_data_output": True},
-        }
-    ).encode()
+    tensor = {**features(rows), "parameters": {"binary_data_size": len(raw)}}
+    header = json.dumps({"inputs": [tensor], "parameters": {"binary_data_output": True}}).encode()
     headers = {
         "Content-Type": "application/octet-stream",
         "Inference-Header-Content-Length": str(len(header)),
@@ -150,23 +142,13 @@ def binary_infer_body(rows: np.ndarray) -> tuple[bytes, dict[str, str]]:
 
 
 def measure(url: str, body, args, clients: int | None = None, headers: dict | None = None):
-    from raylane.serving.loadgen import run_load
-
     path = f"/v2/models/{MODEL}/infer"
-    clients = clients or args.clients
-    warm = run_load(
-        url, path, body, clients=clients, duration_s=2.0, max_requests=5_000, headers=headers
-    )
+    load = {"clients": clients or args.clients, "headers": headers}
+    warm = run_load(url, path, body, duration_s=2.0, max_requests=5_000, **load)
     if warm.statuses[200] == 0:
         raise RuntimeError(f"{url} answered no request during warm-up: {dict(warm.statuses)}")
     result = run_load(
-        url,
-        path,
-        body,
-        clients=clients,
-        duration_s=args.seconds,
-        max_requests=args.max_requests,
-        headers=headers,
+        url, path, body, duration_s=args.seconds, max_requests=args.max_requests, **load
     )
     failed = result.requests - result.statuses[200] + len(result.failures)
     if failed:
@@ -176,8 +158,6 @@ def measure(url: str, body, args, clients: int | None = None, headers: dict | No
 
 def bare_forward(cfg, batch_size: int, seconds: float) -> tuple[float, float]:
     """Samples/s of the registered model's forward on full batches, and the batch-1 ms."""
-    from raylane.inference import Predictor
-
     torch.set_num_threads(1)
     predictor = Predictor.from_registry(cfg.tracking.tracking_uri, MODEL, "champion")
     batch = np.random.default_rng(0).uniform(0, 16, (batch_size, 64)).astype(np.float32)
@@ -220,8 +200,6 @@ def plain_fastapi(cfg, args, port: int, module: str = "plain_fastapi"):
 
 
 def _wait_for_port(port: int, server: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    import socket
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if server.poll() is not None:
@@ -234,11 +212,6 @@ def _wait_for_port(port: int, server: subprocess.Popen, timeout_s: float = 120.0
 
 
 def replica_states() -> dict[str, int]:
-    from ray import serve
-
-    from raylane.serving.app import APP_NAME
-    from raylane.serving.status import state_name
-
     deployment = serve.status().applications[APP_NAME].deployments["model"]
     return {state_name(state): n for state, n in deployment.replica_states.items()}
 
@@ -246,10 +219,6 @@ def replica_states() -> dict[str, int]:
 def settle(url: str, cfg, args) -> int:
     """Load the endpoint until autoscaling runs the replicas this load asks for (clients /
     target in flight per replica, within min/max; or 180 s); return the running replicas."""
-    import math
-
-    from raylane.serving.loadgen import run_load
-
     scaling = cfg.serving.autoscaling
     target = scaling.target_ongoing_requests or cfg.serving.max_batch_size
     wanted = min(max(math.ceil(args.clients / target), scaling.min_replicas), scaling.max_replicas)
@@ -265,8 +234,6 @@ def settle(url: str, cfg, args) -> int:
 
 def batch_counts(url: str, samples: int = 24) -> dict[str, tuple[int, int]]:
     """(batches, requests) so far per replica, from the stats route asked `samples` times."""
-    import httpx
-
     seen = {}
     with httpx.Client() as client:
         for _ in range(samples):
@@ -286,12 +253,9 @@ def measure_served(url: str, args):
     return result, requests / batches if batches else 0.0
 
 
-def raylane_serve(cfg, pinned_cfg, args):
-    import ray
-
-    from raylane.runtime import connect_ray
-    from raylane.serving.app import deploy, shutdown_serve
-
+def raylane_serve(cfg, pinned_cfg, args) -> tuple:
+    """(a) and (a1), in `Measured`'s order: replicas, (a) and its mean batch, (a1) and its
+    mean batch, the large requests as JSON and as binary tensors."""
     connect_ray(serve_ingress=cfg.serving.ingress)
     try:
         url, _ = deploy(cfg)
@@ -305,13 +269,30 @@ def raylane_serve(cfg, pinned_cfg, args):
         while replica_states() != {"RUNNING": 1}:
             time.sleep(1.0)
         pinned = measure_served(url, args)
-        return replicas, served, pinned, large_json, large_binary
+        return replicas, *served, *pinned, large_json, large_binary
     finally:
         shutdown_serve()
         ray.shutdown()
 
 
-def main() -> None:
+@dataclass
+class Measured:
+    """Every setup's figures (the letters of the module docstring)."""
+
+    plain: LoadResult  # (b)
+    batched: LoadResult  # (d)
+    bare_rate: float  # (c), rows/s
+    single_ms: float  # the bare single-row forward
+    replicas: int  # (a), once autoscaling settled
+    served: LoadResult  # (a)
+    mean_batch: float
+    pinned: LoadResult  # (a1)
+    pinned_batch: float
+    large_json: LoadResult
+    large_binary: LoadResult
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=15.0)
@@ -321,9 +302,12 @@ def main() -> None:
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], help="config override"
     )
-    args = parser.parse_args()
-    from raylane.serving.loadgen import LoadResult
+    return parser.parse_args()
 
+
+def measure_all(args):
+    """Register the model in a throw-away store and measure every setup; the config and the
+    figures."""
     with tempfile.TemporaryDirectory(prefix="raylane-serve-load-") as tmp:
         workdir = Path(tmp)
         port = free_port()
@@ -338,64 +322,76 @@ def main() -> None:
 
         plain = plain_fastapi(cfg, args, free_port())
         batched = plain_fastapi(cfg, args, free_port(), module="plain_fastapi_batched")
-        bare_rate, single_ms = bare_forward(cfg, args.batch_size, seconds=5.0)
-        replicas, (served, mean_batch), (pinned, pinned_batch), large_json, large_binary = (
-            raylane_serve(cfg, pinned_cfg, args)
-        )
-        large_json_rate = large_json.throughput * args.large_rows
-        large_binary_rate = large_binary.throughput * args.large_rows
+        bare = bare_forward(cfg, args.batch_size, seconds=5.0)
+        return cfg, Measured(plain, batched, *bare, *raylane_serve(cfg, pinned_cfg, args))
 
-    def row(name: str, result: LoadResult | None, rate: float, batch: float | None) -> str:
-        shown = "-" if batch is None else f"{batch:.1f}"  # None: not counted for this setup
-        if result is None:
-            return f"{name:<28} {rate:>9.0f} {'-':>8} {'-':>8} {'-':>8} {shown:>6} {'-':>7}"
-        return (
-            f"{name:<28} {rate:>9.0f} {result.percentile_ms(50):>8.1f} "
-            f"{result.percentile_ms(95):>8.1f} {result.percentile_ms(99):>8.1f} {shown:>6} "
-            f"{result.client_cpu_share:>7.0%}"
-        )
 
+def table_row(name: str, result: LoadResult | None, rate: float, batch: float | None) -> str:
+    shown = "-" if batch is None else f"{batch:.1f}"  # None: not counted for this setup
+    if result is None:
+        return f"{name:<28} {rate:>9.0f} {'-':>8} {'-':>8} {'-':>8} {shown:>6} {'-':>7}"
+    return (
+        f"{name:<28} {rate:>9.0f} {result.percentile_ms(50):>8.1f} "
+        f"{result.percentile_ms(95):>8.1f} {result.percentile_ms(99):>8.1f} {shown:>6} "
+        f"{result.client_cpu_share:>7.0%}"
+    )
+
+
+def print_table(args, ingress: str, m: Measured) -> None:
+    large_json_rate = m.large_json.throughput * args.large_rows
+    large_binary_rate = m.large_binary.throughput * args.large_rows
     print(
-        f"\n{args.clients} clients, one row per request, single-row forward {single_ms:.2f} ms, "
-        f"ingress {cfg.serving.ingress}"
+        f"\n{args.clients} clients, one row per request, single-row forward "
+        f"{m.single_ms:.2f} ms, ingress {ingress}"
     )
     print(
         f"{'setup':<28} {'rows/s':>9} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'batch':>6} "
         f"{'client':>7}"
     )
-    print(row(f"(a) raylane Serve, {replicas} repl.", served, served.throughput, mean_batch))
-    print(row("(a1) raylane, 1 replica", pinned, pinned.throughput, pinned_batch))
-    print(row("(b) plain FastAPI", plain, plain.throughput, 1.0))
-    print(row("(d) FastAPI + micro-batcher", batched, batched.throughput, None))
-    print(row("(c) bare batched forward", None, bare_rate, float(args.batch_size)))
+    served = f"(a) raylane Serve, {m.replicas} repl."
+    print(table_row(served, m.served, m.served.throughput, m.mean_batch))
+    print(table_row("(a1) raylane, 1 replica", m.pinned, m.pinned.throughput, m.pinned_batch))
+    print(table_row("(b) plain FastAPI", m.plain, m.plain.throughput, 1.0))
+    print(table_row("(d) FastAPI + micro-batcher", m.batched, m.batched.throughput, None))
+    print(table_row("(c) bare batched forward", None, m.bare_rate, float(args.batch_size)))
     print(f"\n{args.large_clients} clients, {args.large_rows} rows ({args.large_rows * 64} floats)")
-    print(row("(a) raylane, JSON", large_json, large_json_rate, None))
-    print(row("(a) raylane, binary tensors", large_binary, large_binary_rate, None))
-    print(
-        json.dumps(
-            {
-                "serve_rows_per_s": round(served.throughput, 1),
-                "fastapi_rows_per_s": round(plain.throughput, 1),
-                "bare_rows_per_s": round(bare_rate, 1),
-                "fastapi_batched_rows_per_s": round(batched.throughput, 1),
-                "serve_vs_fastapi": round(served.throughput / plain.throughput, 3),
-                "serve_vs_bare": round(served.throughput / bare_rate, 3),
-                "serve_vs_fastapi_batched": round(served.throughput / batched.throughput, 3),
-                "large_json_rows_per_s": round(large_json_rate, 1),
-                "large_binary_rows_per_s": round(large_binary_rate, 1),
-                "binary_vs_json": round(large_binary_rate / large_json_rate, 3),
-                "p99_ms": round(served.percentile_ms(99), 1),
-                "fastapi_p99_ms": round(plain.percentile_ms(99), 1),
-                "mean_batch_size": round(mean_batch, 2),
-                "replicas": replicas,
-                "one_replica_rows_per_s": round(pinned.throughput, 1),
-                "one_replica_vs_fastapi_batched": round(pinned.throughput / batched.throughput, 3),
-                "one_replica_p99_ms": round(pinned.percentile_ms(99), 1),
-                "clients": args.clients,
-                "ingress": cfg.serving.ingress,
-            }
-        )
-    )
+    print(table_row("(a) raylane, JSON", m.large_json, large_json_rate, None))
+    print(table_row("(a) raylane, binary tensors", m.large_binary, large_binary_rate, None))
+
+
+def summary(args, ingress: str, m: Measured) -> dict:
+    """The last line's figures: (a) against the others, and (a1)'s as `one_replica_*`."""
+    served, plain, batched, pinned = m.served, m.plain, m.batched, m.pinned
+    large_json_rate = m.large_json.throughput * args.large_rows
+    large_binary_rate = m.large_binary.throughput * args.large_rows
+    return {
+        "serve_rows_per_s": round(served.throughput, 1),
+        "fastapi_rows_per_s": round(plain.throughput, 1),
+        "bare_rows_per_s": round(m.bare_rate, 1),
+        "fastapi_batched_rows_per_s": round(batched.throughput, 1),
+        "serve_vs_fastapi": round(served.throughput / plain.throughput, 3),
+        "serve_vs_bare": round(served.throughput / m.bare_rate, 3),
+        "serve_vs_fastapi_batched": round(served.throughput / batched.throughput, 3),
+        "large_json_rows_per_s": round(large_json_rate, 1),
+        "large_binary_rows_per_s": round(large_binary_rate, 1),
+        "binary_vs_json": round(large_binary_rate / large_json_rate, 3),
+        "p99_ms": round(served.percentile_ms(99), 1),
+        "fastapi_p99_ms": round(plain.percentile_ms(99), 1),
+        "mean_batch_size": round(m.mean_batch, 2),
+        "replicas": m.replicas,
+        "one_replica_rows_per_s": round(pinned.throughput, 1),
+        "one_replica_vs_fastapi_batched": round(pinned.throughput / batched.throughput, 3),
+        "one_replica_p99_ms": round(pinned.percentile_ms(99), 1),
+        "clients": args.clients,
+        "ingress": ingress,
+    }
+
+
+def main() -> None:
+    args = parse_args()
+    cfg, measured = measure_all(args)
+    print_table(args, cfg.serving.ingress, measured)
+    print(json.dumps(summary(args, cfg.serving.ingress, measured)))
 
 
 if __name__ == "__main__":

@@ -34,7 +34,9 @@ import torch
 
 from raylane.config import load_config
 from raylane.data import ensure_dataset
+from raylane.data.ray_datasets import read_datasets
 from raylane.models import build_model
+from raylane.train.trainer import build_trainer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -150,9 +152,6 @@ def plain_ddp(cfg) -> list[float]:
 def ray_train(cfg, name: str) -> tuple[list[float], dict[str, float]]:
     """(b)/(c): the raylane trainer with Ray Data ingest; per-epoch samples/s from its reports,
     and the last epoch's step-time split."""
-    from raylane.data.ray_datasets import read_datasets
-    from raylane.train.trainer import build_trainer
-
     result = build_trainer(cfg, read_datasets(cfg), name).fit()
     history = sorted((m for _, m in result.best_checkpoints), key=lambda m: m["epoch"])
     split = {k: v for k, v in history[-1].items() if k.startswith("step_")}

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from raylane.tune.report import print_table
 from raylane.tune.search import run_search
 from raylane.tune.spec import TuneSpec
 
@@ -60,19 +61,18 @@ def make_spec(workdir: Path, epochs: int, steps: int, scheduler: str, top_k: int
     )
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=6, help="Full trial length (epochs).")
     parser.add_argument("--steps", type=int, default=6, help="Steps per epoch.")
     parser.add_argument("--top-k", type=int, default=3, help="Layouts the planner measures.")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    return parser.parse_args()
 
+
+def run_both(args):
+    """The grid, then the planner, one trial at a time on the same local Ray."""
     import ray
 
-    from raylane.tune.report import print_table
-
-    console = Console(stderr=True, width=200)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         ray.init(num_cpus=2, logging_level="ERROR", log_to_driver=False)
@@ -81,14 +81,12 @@ def main() -> None:
             planner = run_search(make_spec(workdir, args.epochs, args.steps, "asha", args.top_k))
         finally:
             ray.shutdown()
-    print_table(grid, console)
-    print_table(planner, console)
+    return grid, planner
 
-    grid_rate = {t.candidate.key: t.samples_per_s for t in grid.trials if t.status == "ok"}
-    best_key = max(grid_rate, key=grid_rate.get)
-    pick = planner.winner
-    calibration = planner.calibration
-    wait_ms = 1000 * calibration.data_wait_s if calibration else 0.0
+
+def prediction_errors(grid, planner) -> tuple[dict[str, float], dict[str, float]]:
+    """Print and return the planner's relative step-time error on every grid layout, after
+    its calibration and before (the profile's own prediction)."""
     predicted = {t.candidate.key: t.predicted for t in [*planner.trials, *planner.not_run]}
     raw = planner.raw_predictions
     errors, raw_errors = {}, {}
@@ -106,7 +104,17 @@ def main() -> None:
             f"{predicted[key].step_ms:.1f} ms ({error:+.0%}; before calibration "
             f"{raw_errors[key]:+.0%})"
         )
-    figures = {
+    return errors, raw_errors
+
+
+def figures_of(grid, planner, errors: dict[str, float], raw_errors: dict[str, float]) -> dict:
+    """The last line's figures."""
+    grid_rate = {t.candidate.key: t.samples_per_s for t in grid.trials if t.status == "ok"}
+    best_key = max(grid_rate, key=grid_rate.get)
+    pick = planner.winner
+    calibration = planner.calibration
+    wait_ms = 1000 * calibration.data_wait_s if calibration else 0.0
+    return {
         "layouts": len(grid.trials),
         "grid_best": best_key,
         "grid_best_samples_per_s": round(grid_rate[best_key], 1),
@@ -127,9 +135,21 @@ def main() -> None:
         "median_pred_error_raw": round(statistics.median(abs(e) for e in raw_errors.values()), 3),
         "median_pred_error": round(statistics.median(abs(e) for e in errors.values()), 3),
     }
+
+
+def main() -> None:
+    args = parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    console = Console(stderr=True, width=200)
+    grid, planner = run_both(args)
+    print_table(grid, console)
+    print_table(planner, console)
+    errors, raw_errors = prediction_errors(grid, planner)
+    figures = figures_of(grid, planner, errors, raw_errors)
     print(
-        f"grid: {figures['layouts']} layouts in {figures['grid_wall_s']} s, best {best_key}; "
-        f"planner: {figures['planner_wall_s']} s, pick {pick.candidate.key}"
+        f"grid: {figures['layouts']} layouts in {figures['grid_wall_s']} s, best "
+        f"{figures['grid_best']}; planner: {figures['planner_wall_s']} s, pick "
+        f"{figures['planner_pick']}"
     )
     print(json.dumps(figures))
 

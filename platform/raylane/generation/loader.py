@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from raylane.tracking.lineage import recorded_model_config, registered_state
+from mlflow.tracking import MlflowClient
+
+from raylane.config.finetune import FinetuneConfig
+from raylane.config.model_uri import parse_model_uri
+from raylane.models import build_model
+from raylane.models.adapters import apply_lora, load_adapter, merge_adapters
+from raylane.tracking.lineage import adapter_of, recorded_model_config, registered_state
+from raylane.tracking.registry import resolve_version
 
 
 @dataclass(frozen=True)
@@ -59,11 +66,6 @@ def load_language_model(
             (naming the base).
         ValueError: the version is not a GPT (generation needs one).
     """
-    from mlflow.tracking import MlflowClient
-
-    from raylane.inference import resolve_version
-    from raylane.tracking.lineage import adapter_of
-
     client = MlflowClient(tracking_uri=tracking_uri)
     found = resolve_version(client, tracking_uri, registered_model, alias, version)
     model_cfg = recorded_model_config(client, found.run_id)
@@ -97,10 +99,6 @@ def load_generation_model(
     Raises:
         ModelNotFoundError, ValueError: as `load_language_model`.
     """
-    from mlflow.tracking import MlflowClient
-
-    from raylane.tracking.lineage import adapter_of
-
     client = MlflowClient(tracking_uri=tracking_uri)
     found = client.get_model_version(registered_model, str(version))
     adapter = adapter_of(client, found)
@@ -130,11 +128,6 @@ def load_served_adapter(tracking_uri: str, name: str, version: int, base: tuple[
         ModelNotFoundError: no such version.
         ValueError: it is not an adapter, or an adapter of another base (naming both).
     """
-    from mlflow.tracking import MlflowClient
-
-    from raylane.inference import resolve_version
-    from raylane.tracking.lineage import adapter_of
-
     client = MlflowClient(tracking_uri=tracking_uri)
     found = resolve_version(client, tracking_uri, name, "", version)
     adapter = adapter_of(client, found)
@@ -151,15 +144,11 @@ def load_served_adapter(tracking_uri: str, name: str, version: int, base: tuple[
 
 
 def _served_adapter(key: str, meta: dict, state: dict) -> ServedAdapter:
-    from raylane.config.finetune import FinetuneConfig
-
     settings = FinetuneConfig.model_validate(meta["finetune"])
     return ServedAdapter(key, state, settings.alpha / settings.rank)
 
 
 def _whole_model(tracking_uri: str, name: str, version: int, model_cfg):
-    from raylane.models import build_model
-
     model = build_model(model_cfg)
     model.load_state_dict(registered_state(tracking_uri, name, version))
     return model
@@ -167,9 +156,6 @@ def _whole_model(tracking_uri: str, name: str, version: int, model_cfg):
 
 def _adapted_model(tracking_uri: str, meta: dict, state: dict, *, merge: bool):
     """The adapter's base (as registered) with the adapter loaded (and merged)."""
-    from raylane.config.finetune import FinetuneConfig
-    from raylane.models.adapters import apply_lora, load_adapter, merge_adapters
-
     base, _ = load_language_model(tracking_uri, meta["base_model"], meta["base_version"])
     load_adapter(apply_lora(base, FinetuneConfig.model_validate(meta["finetune"])), state)
     return merge_adapters(base) if merge else base
@@ -183,7 +169,5 @@ def load_draft_model(tracking_uri: str, uri: str):
         ModelNotFoundError: no such version or alias.
         ValueError: not a model URI, or not a GPT.
     """
-    from raylane.config.model_uri import parse_model_uri
-
     ref = parse_model_uri(uri)
     return load_language_model(tracking_uri, ref.name, ref.version, ref.alias)

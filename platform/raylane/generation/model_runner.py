@@ -26,6 +26,7 @@ from typing import Literal
 
 import torch
 
+from raylane.generation.cuda_graph import GraphedDecode
 from raylane.generation.next_token import choose_tokens
 from raylane.generation.sequence import Sequence
 from raylane.generation.static_decode import StaticDecode
@@ -93,8 +94,6 @@ class ModelRunner:
         if decode == "static":
             self.static = StaticDecode(self.model, self.cache)
         elif decode == "cuda_graph":
-            from raylane.generation.cuda_graph import GraphedDecode
-
             self.static = GraphedDecode(self.model, self.cache)
         elif decode != "dynamic":
             raise ValueError(f"decode is 'dynamic', 'static' or 'cuda_graph', not {decode!r}")

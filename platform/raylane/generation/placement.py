@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from raylane.generation.quantize import quantize_int8
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -48,7 +50,5 @@ def place_model(
         raise ValueError(f"quantization must be 'none' or 'int8', not {quantization!r}")
     model.to(device=device, dtype=DTYPES[dtype])
     if quantization == "int8":
-        from raylane.generation.quantize import quantize_int8
-
         quantize_int8(model)
     return model.eval()

@@ -13,6 +13,8 @@ from __future__ import annotations
 import asyncio
 import re
 
+from raylane.generation.loader import load_served_adapter
+from raylane.models.multi_lora import AdapterCapacityError
 from raylane.serving.errors import ProtocolError
 
 _ADAPTER = re.compile(r"^(?P<name>[^/:@]+)/(?P<version>[1-9][0-9]*)$")
@@ -94,9 +96,6 @@ class AdapterDirectory:
             self._loading.pop(key, None)  # waiters hold the lock itself
 
     async def _load_and_add(self, key: str) -> None:
-        from raylane.generation.loader import load_served_adapter
-        from raylane.models.multi_lora import AdapterCapacityError
-
         name, version = key.split("/")
         try:
             adapter = await asyncio.to_thread(

@@ -6,17 +6,22 @@ import logging
 import time
 from typing import Any
 
+from mlflow.tracking import MlflowClient
 from ray.serve.config import BackpressureConfig
 from ray.serve.schema import LoggingConfig
 
 from raylane.config import RaylaneConfig, load_config
-from raylane.serving.deployments import InferenceServer
+from raylane.config.model_uri import parse_model_uri
+from raylane.console import long_step
+from raylane.serving import APP_NAME
 from raylane.serving.errors import ServedModelError
 from raylane.serving.guard import key_digest, load_api_key
+from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
+from raylane.tracking.lineage import ADAPTER_TAG, recorded_model_config
+from raylane.tracking.registry import resolve_version
 
 log = logging.getLogger("raylane")
 
-APP_NAME = "raylane"
 DEFAULT_CONFIG = "configs/train/digits_ddp.yaml"
 
 
@@ -34,6 +39,7 @@ def build_app(cfg: RaylaneConfig, tracking_uri: str, version: int, api_key: str 
     guard = (key_digest(api_key), serving.max_body_bytes, threads)
     placement = {"replica_gpus": serving.replica_gpus}
     if serving.api == "generate":
+        # torch-heavy: replicas run the model; the deploying process needs only the class
         from raylane.serving.generation_server import GenerationServer
 
         deployment, target = GenerationServer, serving.generation.max_num_seqs
@@ -45,6 +51,8 @@ def build_app(cfg: RaylaneConfig, tracking_uri: str, version: int, api_key: str 
         )  # fmt: skip
         placement |= {"dtype": serving.dtype, "cuda_graphs": serving.cuda_graphs}
     else:
+        from raylane.serving.deployments import InferenceServer  # torch, as above
+
         deployment, target = InferenceServer, serving.max_batch_size
         args = (*common, serving.max_batch_size, serving.batch_wait_timeout_s, *guard)
     return deployment.options(
@@ -84,10 +92,6 @@ def resolve_served_version(cfg: RaylaneConfig, tracking_uri: str) -> int:
     Raises:
         ModelNotFoundError: the pinned version or the alias does not exist.
     """
-    from mlflow.tracking import MlflowClient
-
-    from raylane.inference import resolve_version
-
     found = resolve_version(
         MlflowClient(tracking_uri=tracking_uri),
         tracking_uri,
@@ -105,10 +109,6 @@ def check_served_models(cfg: RaylaneConfig, tracking_uri: str, version: int) -> 
     Raises:
         ServedModelError: naming the version and why.
     """
-    from mlflow.tracking import MlflowClient
-
-    from raylane.tracking.lineage import ADAPTER_TAG
-
     name = cfg.tracking.registered_model
     tags = MlflowClient(tracking_uri=tracking_uri).get_model_version(name, str(version)).tags
     if (tags or {}).get(ADAPTER_TAG) and cfg.serving.api != "generate":
@@ -131,12 +131,8 @@ def check_draft_model(cfg: RaylaneConfig, tracking_uri: str, version: int) -> No
     uri = cfg.serving.generation.draft_model
     if uri is None:
         return
-    from mlflow.tracking import MlflowClient
-
-    from raylane.config.model_uri import parse_model_uri
-    from raylane.generation.engine import draft_mismatch
-    from raylane.inference import resolve_version
-    from raylane.tracking.lineage import recorded_model_config
+    # torch-heavy (the speculative decoder's module): loaded only when a draft is named
+    from raylane.generation.speculative import draft_mismatch
 
     ref = parse_model_uri(uri)
     client = MlflowClient(tracking_uri=tracking_uri)
@@ -160,8 +156,6 @@ def app_builder(args: dict[str, Any]):
     Args (from the Serve config's `args`): `config` (a raylane YAML, default
     configs/train/digits_ddp.yaml) and `overrides` (a list of `key.path=value`).
     """
-    from raylane.tracking import resolve_tracking_uri
-
     cfg = load_config(args.get("config", DEFAULT_CONFIG), list(args.get("overrides", [])))
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     version = resolve_served_version(cfg, tracking_uri)
@@ -210,8 +204,6 @@ def deploy(cfg: RaylaneConfig) -> tuple[str, int]:
     """
     from ray import serve
 
-    from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
-
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     check_tracking_reachable(tracking_uri)
     version = resolve_served_version(cfg, tracking_uri)
@@ -219,8 +211,6 @@ def deploy(cfg: RaylaneConfig) -> tuple[str, int]:
     api_key = load_api_key_for(cfg)
     app = build_app(cfg, tracking_uri, version, api_key)
     serve.start(http_options={"host": cfg.serving.host, "port": cfg.serving.port})
-    from raylane.console import long_step
-
     with long_step(f"starting replicas of {cfg.tracking.registered_model} v{version}"):
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         url = endpoint_url(cfg)

@@ -17,13 +17,20 @@ import os
 import time
 from collections.abc import AsyncIterator
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 import raylane
+from raylane.generation.engine import GenerationEngine
+from raylane.generation.loader import load_draft_model, load_generation_model
+from raylane.generation.placement import place_model, serving_device
+from raylane.serving.adapter_routing import AdapterDirectory
 from raylane.serving.errors import ProtocolError
+from raylane.serving.generation_loop import GenerationLoop
 from raylane.serving.guard import GuardSettings, RequestGuard
+from raylane.serving.metrics import GenerationMetrics
 from raylane.serving.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -37,6 +44,7 @@ from raylane.serving.openai_protocol import (
     sse,
     usage,
 )
+from raylane.serving.openapi import add_component_schemas, request_body
 
 api = FastAPI(
     title="raylane generation",
@@ -46,6 +54,10 @@ api = FastAPI(
 )
 GUARD = GuardSettings()
 api.add_middleware(RequestGuard, settings=GUARD)
+# The routes parse their bodies themselves (a client's mistake answered in the API's own error
+# format); the schemas are declared for /docs and schema-driven clients.
+add_component_schemas(api, CompletionRequest, ChatCompletionRequest, GenerateRequest)
+GENERATE_BODY = request_body("GenerateRequest", "OIP generate: text_input and parameters.")
 
 
 @api.exception_handler(ProtocolError)
@@ -83,15 +95,6 @@ class GenerationServer:
         dtype: str = "fp32",
         cuda_graphs: bool = False,
     ):
-        import torch
-
-        from raylane.generation.engine import GenerationEngine
-        from raylane.generation.loader import load_draft_model, load_generation_model
-        from raylane.generation.placement import place_model, serving_device
-        from raylane.serving.adapter_routing import AdapterDirectory
-        from raylane.serving.generation_loop import GenerationLoop
-        from raylane.serving.metrics import GenerationMetrics
-
         torch.set_num_threads(torch_threads)
         GUARD.key_digest = api_key_digest
         GUARD.max_body_bytes = max_body_bytes
@@ -129,13 +132,18 @@ class GenerationServer:
         self._check_name(name)
         return self._model_entry()
 
-    @api.post("/v1/completions")
+    @api.post(
+        "/v1/completions", openapi_extra=request_body("CompletionRequest", "OpenAI completions.")
+    )
     async def completions(self, request: Request) -> Response:
         """Continue `prompt` (OpenAI's completions API)."""
         body = parse(CompletionRequest, await request.body())
         return await self._complete("text_completion", body)
 
-    @api.post("/v1/chat/completions")
+    @api.post(
+        "/v1/chat/completions",
+        openapi_extra=request_body("ChatCompletionRequest", "OpenAI chat completions."),
+    )
     async def chat_completions(self, request: Request) -> Response:
         """Answer `messages` (OpenAI's chat completions API)."""
         body = parse(ChatCompletionRequest, await request.body())
@@ -143,7 +151,7 @@ class GenerationServer:
 
     # Open Inference Protocol generate extension.
 
-    @api.post("/v2/models/{name:path}/generate")
+    @api.post("/v2/models/{name:path}/generate", openapi_extra=GENERATE_BODY)
     async def generate(self, name: str, request: Request) -> dict:
         body = parse(GenerateRequest, await request.body())
         params = body.sampling(self.default_max_tokens)
@@ -156,7 +164,7 @@ class GenerationServer:
             "finish_reason": generation.sequence.finish_reason,
         }
 
-    @api.post("/v2/models/{name:path}/generate_stream")
+    @api.post("/v2/models/{name:path}/generate_stream", openapi_extra=GENERATE_BODY)
     async def generate_stream(self, name: str, request: Request) -> StreamingResponse:
         body = parse(GenerateRequest, await request.body())
         params = body.sampling(self.default_max_tokens)

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mlflow.tracking import MlflowClient
 from rich.table import Table
 
 from raylane.config import RaylaneConfig
+from raylane.serving import APP_NAME
+from raylane.tracking import resolve_tracking_uri
+from raylane.tracking.registry import champion_version
 
 SAMPLES_PER_REPLICA = 4
 
@@ -35,12 +39,7 @@ def collect_status(cfg: RaylaneConfig) -> StatusReport:
     Versions come from asking the model deployment several times per running replica, so
     both sides of a rollout in progress show up.
     """
-    from mlflow.tracking import MlflowClient
     from ray import serve
-
-    from raylane.serving.app import APP_NAME
-    from raylane.tracking import resolve_tracking_uri
-    from raylane.tracking.registry import champion_version
 
     rows = []
     for app_name, app in serve.status().applications.items():
