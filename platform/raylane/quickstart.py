@@ -9,6 +9,13 @@ from rich.console import Console
 from rich.table import Table
 
 from raylane.config import RaylaneConfig
+from raylane.data import ensure_dataset
+from raylane.data.parquet import read_rows
+from raylane.runtime import connect_ray, disconnect_ray
+from raylane.serving.app import deploy, load_api_key_for, stop_serve
+from raylane.serving.ingress import apply_ingress_env
+from raylane.serving.leftovers import clear_before_local_serve
+from raylane.train.job import run_training
 
 
 def query_endpoint(
@@ -40,21 +47,11 @@ def query_endpoint(
 
 
 def run_quickstart(cfg: RaylaneConfig, rows: int, console: Console) -> None:
-    from raylane.data import ensure_dataset
-    from raylane.data.parquet import read_rows
-    from raylane.runtime import connect_ray, disconnect_ray
-    from raylane.serving.app import deploy, load_api_key_for, stop_serve
-    from raylane.train.job import run_training
-
     console.rule("[1/4] prepare data")
     train_info, val_info = ensure_dataset(cfg)
     console.print(f"{train_info.rows} training and {val_info.rows} validation rows (Parquet)")
     if not os.environ.get("RAY_ADDRESS"):
-        from raylane.serving.leftovers import clear_before_local_serve
-
         clear_before_local_serve(cfg.serving.port)
-    from raylane.serving.ingress import apply_ingress_env
-
     started = connect_ray(before_local_start=lambda: apply_ingress_env(cfg.serving.ingress))
     try:
         console.rule(f"[2/4] train ({cfg.parallelism.strategy}, {cfg.parallelism.workers} workers)")

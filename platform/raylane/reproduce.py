@@ -17,13 +17,20 @@ from mlflow.tracking import MlflowClient
 from rich.table import Table
 
 from raylane.config import ConfigError, RaylaneConfig
+from raylane.data import dataset_digest, ensure_dataset
+from raylane.tracking.cluster import code_version, describe_nodes, package_versions
 from raylane.tracking.compare import (
     Difference,
+    cluster_shape,
     differences,
     first_divergence,
     metric_histories,
     run_record,
 )
+from raylane.tracking.identity import code_digest
+from raylane.tracking.lineage import pinned_base, resolve_base
+from raylane.tracking.runs import CONFIG_ARTIFACT
+from raylane.train.job import run_training
 
 log = logging.getLogger("raylane")
 
@@ -49,8 +56,6 @@ def recorded_config(client: MlflowClient, run_id: str) -> RaylaneConfig:
     """The run's resolved config, as it logged it."""
     from pathlib import Path
 
-    from raylane.tracking.runs import CONFIG_ARTIFACT
-
     try:
         text = Path(client.download_artifacts(run_id, CONFIG_ARTIFACT)).read_text()
     except Exception as exc:
@@ -62,11 +67,6 @@ def recorded_config(client: MlflowClient, run_id: str) -> RaylaneConfig:
 
 def present_record(cfg: RaylaneConfig) -> dict[str, dict[str, str]]:
     """The same sections as a run record, measured now (Ray must be connected)."""
-    from raylane.data import dataset_digest, ensure_dataset
-    from raylane.tracking.cluster import code_version, describe_nodes, package_versions
-    from raylane.tracking.compare import cluster_shape
-    from raylane.tracking.identity import code_digest
-
     ensure_dataset(cfg)
     versions = package_versions()
     code = code_version()
@@ -137,8 +137,6 @@ def compare_runs(client: MlflowClient, original: str, again: str) -> tuple[str, 
 
 def reproduce(client: MlflowClient, run_id: str, *, allow_drift: bool, show) -> Reproduction:
     """Check, re-run and compare. `show` prints a rich renderable. Expects Ray connected."""
-    from raylane.train.job import run_training
-
     cfg = recorded_config(client, run_id)
     recorded = run_record(client, run_id)
     present = present_record(cfg) | {"base": present_base(client, recorded["base"])}
@@ -152,8 +150,6 @@ def reproduce(client: MlflowClient, run_id: str, *, allow_drift: bool, show) -> 
         )
     base = None
     if cfg.finetune is not None:  # the base the run recorded, with the weights it recorded
-        from raylane.tracking.lineage import pinned_base, resolve_base
-
         tags = client.get_run(run_id).data.tags
         cfg = pinned_base(cfg, tags)
         base = resolve_base(cfg, client.tracking_uri, tags.get("raylane.base_digest"))

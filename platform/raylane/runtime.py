@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from raylane.console import long_step
+
 if TYPE_CHECKING:
     from raylane.config import RaylaneConfig
 
@@ -42,8 +44,6 @@ def connect_ray(
         before_local_start()
     # "local" always starts a new Ray for this process, even when another one (say a
     # `ray start` cluster of someone else's) runs on the machine.
-    from raylane.console import long_step
-
     with long_step("connecting to Ray" if address else "starting Ray"), _sigterm_kept():
         context = ray.init(
             address=address or "local", logging_level=logging.WARNING, log_to_driver=verbose()

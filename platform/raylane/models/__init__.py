@@ -19,6 +19,7 @@ __all__ = ["ConvClassifier", "MLPClassifier", "build_model"]
 
 def __getattr__(name: str):
     if name in __all__:
+        # lazy: the classifiers need pydantic; the torch-only modules import without it
         from raylane.models import classifier
 
         return getattr(classifier, name)

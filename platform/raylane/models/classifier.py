@@ -8,6 +8,9 @@ import torch
 from torch import nn
 
 from raylane.config import ModelConfig
+from raylane.models.gpt import GPT
+from raylane.models.hf_checkpoint import load_pretrained
+from raylane.models.llama import LlamaForCausalLM, llama_config
 
 
 class MLPClassifier(nn.Module):
@@ -58,13 +61,8 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     """The configured architecture with freshly initialised weights (seed before calling), or
     a llama with its Hugging Face checkpoint's weights (`pretrained`)."""
     if cfg.kind == "gpt":
-        from raylane.models.gpt import GPT
-
         return GPT(cfg.num_classes, cfg.input_dim, cfg.d_model, cfg.n_heads, cfg.n_layers)
     if cfg.kind == "llama":
-        from raylane.models.hf_checkpoint import load_pretrained
-        from raylane.models.llama import LlamaForCausalLM, llama_config
-
         if cfg.pretrained is not None:
             return load_pretrained(cfg.pretrained)
         return LlamaForCausalLM(llama_config(cfg))

@@ -17,11 +17,8 @@ __all__ = ["ParallelStrategy", "available_strategies", "get_strategy", "splits_d
 
 
 def __getattr__(name: str):
-    if name == "ParallelStrategy":
-        from raylane.parallel.base import ParallelStrategy
-
-        return ParallelStrategy
     if name in __all__:
+        # lazy: the registry needs pydantic; the torch-only modules import without it
         from raylane.parallel import registry
 
         return getattr(registry, name)

@@ -19,9 +19,11 @@ from raylane.config import RaylaneConfig
 from raylane.parallel.base import StrategyDefaults
 from raylane.parallel.collectives import average_gradients
 from raylane.parallel.device import to_device, worker_device
+from raylane.parallel.grad_compression import GroupAverager, take_comm_stats
 from raylane.parallel.mesh import build_device_mesh
-from raylane.parallel.parallelize import parallelize
+from raylane.parallel.parallelize import parallelize, sharded_loss
 from raylane.parallel.precision import autocast
+from raylane.parallel.ring_attention import RingTraffic, shard_sequence
 
 
 class MeshParallel(StrategyDefaults):
@@ -59,8 +61,6 @@ class MeshParallel(StrategyDefaults):
         # over the vocabulary and the loss is torch's `loss_parallel`.
         self.vocabulary_loss = self.mesh.dims.sequence_parallel
         if self.replicas > 1:
-            from raylane.parallel.grad_compression import GroupAverager
-
             self.averager = GroupAverager(
                 par.grad_compression, self.mesh.replica_group, par.topk_ratio
             )
@@ -79,15 +79,11 @@ class MeshParallel(StrategyDefaults):
     def loss_scope(self):
         if not self.vocabulary_loss:
             return super().loss_scope()
-        from raylane.parallel.parallelize import sharded_loss
-
         return sharded_loss()
 
     def _ring_meter(self):
         if self.cp == 1:
             return None
-        from raylane.parallel.ring_attention import RingTraffic
-
         return RingTraffic()
 
     def ring_wait_s(self) -> float:
@@ -106,8 +102,6 @@ class MeshParallel(StrategyDefaults):
         """With context parallelism, this worker's chunks of each sequence and its targets."""
         if self.cp == 1:
             return inputs, targets
-        from raylane.parallel.ring_attention import shard_sequence
-
         return tuple(shard_sequence(t, 1, self.cp_rank, self.cp) for t in (inputs, targets))
 
     def forward(
@@ -126,7 +120,5 @@ class MeshParallel(StrategyDefaults):
         """Bytes this worker handed to the replicas' gradient averages (as DDP reports them)."""
         if self.averager is None:
             return {}
-        from raylane.parallel.grad_compression import take_comm_stats
-
         stats, self.steps = take_comm_stats(self.averager.meter, self.steps), 0
         return stats

@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from raylane.parallel.device import peak_device_memory_bytes
+
 
 class StageTimer:
     """Accumulates the time a stage spends computing (its forward and backward chunks) against
@@ -58,6 +60,7 @@ class StageTimer:
 
 def local_bytes(tensor: torch.Tensor) -> int:
     """Bytes this worker stores for a tensor (a DTensor's local shard only)."""
+    # lazy: collectives imports DTensor (about 0.5 s per worker) that plain DDP never needs
     from raylane.parallel.collectives import local_tensor
 
     local = local_tensor(tensor)
@@ -89,8 +92,6 @@ def worker_memory(
     """This worker's model state and activation peak (bytes), and on a GPU the most device
     memory its allocator has held so far (`device_peak`: what must fit in the GPU; a CPU
     run's counterpart is the process's peak RSS)."""
-    from raylane.parallel.device import peak_device_memory_bytes
-
     memory = {**model_state_bytes(model, optimizer), "activation_peak": activations.peak_bytes}
     device_peak = peak_device_memory_bytes(device)
     if device_peak is not None:

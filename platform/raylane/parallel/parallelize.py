@@ -30,6 +30,7 @@ from torch import nn
 
 from raylane.parallel.activation_checkpoint import apply_activation_checkpointing
 from raylane.parallel.precision import fsdp_mixed_precision
+from raylane.parallel.ring_attention import positions_for, ring_attention
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -49,6 +50,7 @@ def apply_tensor_parallel(
     `sharded_loss`) its final norm on the shards and its head split over the vocabulary."""
     from torch.distributed.tensor.parallel import parallelize_module
 
+    # lazy: the plan imports DTensor (about 0.5 s per worker) that other layouts never need
     from raylane.models.gpt_plan import block_io, block_plan, head_plan
 
     if tp_mesh.size() == 1:
@@ -80,7 +82,6 @@ def apply_context_parallel(
     attention is ring attention over the `cp_group` workers, which hold the other chunks. The
     inputs it is given are already this worker's part (`shard_sequence`, by the strategy).
     `traffic` (a `RingTraffic`) counts the ring's bytes and the time spent waiting for them."""
-    from raylane.parallel.ring_attention import positions_for, ring_attention
 
     def positions(length: int, device) -> torch.Tensor:
         return positions_for(length * cp, cp_rank, cp).to(device)

@@ -18,6 +18,8 @@ import numpy as np
 import ray
 import torch
 
+from raylane.models.optim import build_optimizer
+
 
 class Shard:
     """Some of the model's parameters and the configured optimizer over them."""
@@ -30,8 +32,6 @@ class Shard:
         staleness_lr: bool,
         optimizer: str = "adamw",
     ):
-        from raylane.models.optim import build_optimizer
-
         torch.set_num_threads(1)
         self.params = [torch.nn.Parameter(torch.from_numpy(p.copy())) for p in params]
         self.optimizer = build_optimizer(self.params, optimizer, lr, weight_decay)

@@ -12,6 +12,9 @@ from typing import Any
 
 from raylane.config import RaylaneConfig
 from raylane.plan.hardware import Accelerator, Cluster, ClusterSpec
+from raylane.profile.worker import profile_worker
+from raylane.tracking.cluster import describe_nodes, package_versions
+from raylane.train.trainer import prompt_health_checks
 
 KEY_TAG = "raylane.profile_key"
 ARTIFACT = "profile.json"
@@ -28,8 +31,6 @@ def concurrency_levels(cfg: RaylaneConfig, levels: list[int] | None) -> list[int
 
 def profile_key(cfg: RaylaneConfig, levels: list[int]) -> str:
     """What the figures depend on: the model's shape, the worker groups and the nodes."""
-    from raylane.tracking.cluster import describe_nodes, package_versions
-
     model, par = cfg.model, cfg.parallelism
     versions = package_versions()
     basis = {
@@ -60,9 +61,6 @@ def measure(cfg: RaylaneConfig, levels: list[int]) -> dict[str, Any]:
     config's workers reserve."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
-
-    from raylane.profile.worker import profile_worker
-    from raylane.train.trainer import prompt_health_checks
 
     prompt_health_checks()
     par = cfg.parallelism

@@ -34,6 +34,15 @@ import statistics
 from typing import TYPE_CHECKING
 
 from raylane.config.dims import ParallelDims
+from raylane.models import build_model
+from raylane.models.gpt import Block
+from raylane.models.losses import cross_entropy
+from raylane.models.optim import build_optimizer
+from raylane.parallel.device import StreamClock
+from raylane.parallel.mesh import build_device_mesh
+from raylane.parallel.parallelize import parallelize
+from raylane.parallel.param_server import ParameterShard
+from raylane.parallel.pipeline import SCHEDULES
 from raylane.plan.wrapped import wrap_dims
 
 if TYPE_CHECKING:
@@ -45,8 +54,6 @@ def build_meshes(
 ) -> dict[int, dict[str, ParallelMesh]]:
     """Every level's meshes on `device_type` (the workers' devices: 'cuda' under NCCL), built
     on every rank up front (creating a mesh is collective)."""
-    from raylane.parallel.mesh import build_device_mesh
-
     built: dict[ParallelDims, ParallelMesh] = {}
     meshes: dict[int, dict[str, ParallelMesh]] = {}
     for k in levels:
@@ -64,9 +71,6 @@ def _wrapped_block(cfg, mesh: ParallelMesh, device):
     included)."""
     import torch
     from torch import nn
-
-    from raylane.models.gpt import Block
-    from raylane.parallel.parallelize import parallelize
 
     class OneBlock(nn.Module):
         def __init__(self):
@@ -89,8 +93,6 @@ def time_wrapped_blocks(
     optimizer's step over each block's parameters as the layout holds them (DTensors: their
     per-op dispatch is most of a small model's step)."""
     import torch
-
-    from raylane.models.optim import build_optimizer
 
     m, training = cfg.model, cfg.training
     found: dict[str, dict[int, float]] = {}
@@ -118,9 +120,6 @@ def start_param_server(cfg, rank: int, distributed: bool):
     import ray
     import torch.distributed as dist
 
-    from raylane.models import build_model
-    from raylane.parallel.param_server import ParameterShard
-
     handle = [None]
     if rank == 0:
         training = cfg.training
@@ -141,8 +140,6 @@ def time_param_server(cfg, shard, median_s, sync=None) -> float:
     import numpy as np
     import ray
 
-    from raylane.models import build_model
-
     grads = [np.ones(tuple(p.shape), np.float32) for p in build_model(cfg.model).parameters()]
     version = [0]
 
@@ -159,8 +156,6 @@ def time_schedules(
     `device`: almost all of it is the schedule's own cost."""
     import torch
     from torch.distributed.pipelining import PipelineStage
-
-    from raylane.parallel.pipeline import SCHEDULES
 
     width, device = cfg.model.d_model, torch.device(device)
     layer = torch.nn.Linear(width, width).to(device)
@@ -205,10 +200,6 @@ def time_ddp(cfg, group, rows_list, repeats: int, device="cpu") -> dict[int, flo
     (`StreamClock`): backward returns when its kernels are queued, not done."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
-
-    from raylane.models import build_model
-    from raylane.models.losses import cross_entropy
-    from raylane.parallel.device import StreamClock
 
     m, device = cfg.model, torch.device(device)
     ids = [device] if device.type == "cuda" else None

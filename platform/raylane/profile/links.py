@@ -5,6 +5,8 @@ which has no CPU backend) and `median_s` synchronises it before reading the cloc
 
 from __future__ import annotations
 
+from raylane.parallel.device import collective_device
+
 SIZES = tuple(4**k * 1024 for k in range(1, 7))  # 4 KiB .. 4 MiB
 
 
@@ -12,8 +14,6 @@ def time_all_reduce(group, median_s) -> dict[int, float]:
     """Seconds of an all-reduce over `group` at each of `SIZES` (bytes), on its device."""
     import torch
     import torch.distributed as dist
-
-    from raylane.parallel.device import collective_device
 
     found = {}
     for size in SIZES:
@@ -31,8 +31,6 @@ def time_p2p(rank: int, median_s) -> dict[int, float]:
     trip), on the default group's device; collective (the other ranks wait at barriers)."""
     import torch
     import torch.distributed as dist
-
-    from raylane.parallel.device import collective_device
 
     found = {}
     for size in SIZES:

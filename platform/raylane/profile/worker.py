@@ -36,6 +36,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from raylane.config import RaylaneConfig
+from raylane.models import build_model
+from raylane.models.gpt import GPT, Block
+from raylane.models.losses import cross_entropy
+from raylane.models.optim import build_optimizer
+from raylane.parallel.device import synchronize, worker_device
+from raylane.parallel.precision import apply_matmul_precision
 from raylane.plan.fits import block_train_flops, compute_fit, link_fit
 from raylane.profile.layouts import (
     build_meshes,
@@ -46,6 +53,7 @@ from raylane.profile.layouts import (
     time_wrapped_blocks,
 )
 from raylane.profile.links import time_all_reduce, time_p2p
+from raylane.runtime import worker_threads
 
 ROWS = (2, 8, 32)
 MICROBATCHES = (2, 8)
@@ -66,8 +74,6 @@ def _median_s(
     sharing the cores with the others' same work rather than with whatever they are at. On a
     CUDA `device` the clock is read after the queued work is done (`synchronize`), not when
     its kernels were launched."""
-    from raylane.parallel.device import synchronize
-
     for _ in range(WARMUP):
         step()
     times = []
@@ -96,16 +102,12 @@ class _Timer:
 
 def _parts(cfg):
     """A block and the model's ends (a GPT without blocks), as the training run builds them."""
-    from raylane.models.gpt import GPT, Block
-
     m = cfg.model
     return Block(m.d_model, m.n_heads), GPT(m.num_classes, m.input_dim, m.d_model, m.n_heads, 0)
 
 
 def _time_compute(cfg, median_s, device, sync=None) -> dict[str, dict[int, float]]:
     import torch
-
-    from raylane.models.losses import cross_entropy
 
     m = cfg.model
     block, ends = (part.to(device) for part in _parts(cfg))
@@ -133,9 +135,6 @@ def _time_compute(cfg, median_s, device, sync=None) -> dict[str, dict[int, float
 def _time_optimizer(cfg, median_s, device, sync=None) -> float:
     """Seconds per parameter of one optimizer step (timed with a refill of the gradients)."""
     import torch
-
-    from raylane.models import build_model
-    from raylane.models.optim import build_optimizer
 
     model = build_model(cfg.model).to(device)
     params = list(model.parameters())
@@ -180,11 +179,6 @@ def profile_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     import ray.train
     import torch
     import torch.distributed as dist
-
-    from raylane.config import RaylaneConfig
-    from raylane.parallel.device import worker_device
-    from raylane.parallel.precision import apply_matmul_precision
-    from raylane.runtime import worker_threads
 
     # The worker group's start-up (its processes importing, Ray Train's controller) holds the
     # cores for the first seconds; measuring then would read several times too slow.
@@ -301,8 +295,6 @@ def summarise(records: list[dict], cfg, device="cpu") -> dict[str, Any]:
     """One profile from every worker's records: medians over workers, then the fits; the
     activations autograd saves measured on `device`."""
     import torch
-
-    from raylane.models.losses import cross_entropy
 
     m = cfg.model
     levels = {

@@ -23,9 +23,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from raylane.config import ConfigError
+from raylane.config.model_uri import parse_model_uri
+from raylane.models.hf_checkpoint import read_config, save_pretrained, weight_files
+from raylane.models.llama import LlamaForCausalLM, llama_config
+from raylane.tracking.identity import weights_digest
+from raylane.tracking.lineage import (
+    ADAPTER_TAG,
+    BASE_MODEL_TAG,
+    BASE_VERSION_TAG,
+    recorded_model_config,
+    registered_state,
+)
+from raylane.tracking.registry import resolve_version
+
 if TYPE_CHECKING:
     from raylane.config.schema import ModelConfig
-    from raylane.models.llama import LlamaForCausalLM
 
 IMPORT_EXPERIMENT = "imports"
 CHECKPOINT_DIR = "checkpoint"
@@ -62,8 +75,6 @@ def weights_sha256(directory: str | Path) -> tuple[str, dict[str, str]]:
     Raises:
         CheckpointError: no safetensors weights (or a shard the index names is missing).
     """
-    from raylane.models.hf_checkpoint import weight_files
-
     try:
         files, _ = weight_files(directory)
     except ValueError as exc:
@@ -88,8 +99,6 @@ def import_checkpoint(directory: str | Path, name: str, tracking_uri: str) -> Im
     """
     from mlflow.entities import Param
     from mlflow.tracking import MlflowClient
-
-    from raylane.models.hf_checkpoint import read_config
 
     directory = Path(directory).resolve()
     if not directory.is_dir():
@@ -138,9 +147,6 @@ def export_model(uri: str, directory: str | Path, tracking_uri: str) -> Exported
     """
     from mlflow.tracking import MlflowClient
 
-    from raylane.config.model_uri import parse_model_uri
-    from raylane.tracking.registry import resolve_version
-
     try:
         ref = parse_model_uri(uri)
     except ValueError as exc:
@@ -162,9 +168,6 @@ def export_model(uri: str, directory: str | Path, tracking_uri: str) -> Exported
         raise CheckpointError(
             f"{named} is {article} {model_cfg.kind}; raylane export writes Llama-family models"
         )
-    from raylane.models.hf_checkpoint import save_pretrained
-    from raylane.tracking.identity import weights_digest
-    from raylane.tracking.lineage import registered_state
 
     model = trained_llama(model_cfg, registered_state(tracking_uri, ref.name, version))
     recorded = client.get_run(found.run_id).data.tags.get("raylane.weights_digest")
@@ -188,9 +191,6 @@ def trained_llama(model_cfg: ModelConfig, state: dict) -> LlamaForCausalLM:
         CheckpointError: `state` is not that model's (a missing, unexpected or misshapen tensor).
     """
     import torch
-
-    from raylane.models.hf_checkpoint import read_config
-    from raylane.models.llama import LlamaForCausalLM, llama_config
 
     if model_cfg.pretrained is not None:
         try:
@@ -225,8 +225,6 @@ def _download_checkpoint(client, run_id: str, directory: Path) -> None:
 
 
 def _refuse_adapter(named: str, tags: dict[str, str]) -> None:
-    from raylane.tracking.lineage import ADAPTER_TAG, BASE_MODEL_TAG, BASE_VERSION_TAG
-
     if tags.get(ADAPTER_TAG):
         raise CheckpointError(
             f"{named} is a LoRA adapter of {tags.get(BASE_MODEL_TAG)} "
@@ -237,9 +235,6 @@ def _refuse_adapter(named: str, tags: dict[str, str]) -> None:
 def _trained_model_config(client, run_id: str, named: str) -> ModelConfig:
     """The `model:` section the version's run recorded."""
     from mlflow.exceptions import MlflowException
-
-    from raylane.config import ConfigError
-    from raylane.tracking.lineage import recorded_model_config
 
     try:
         return recorded_model_config(client, run_id)

@@ -9,6 +9,7 @@ import sys
 from datetime import UTC, datetime
 from typing import Any
 
+import raylane
 from raylane.config import RaylaneConfig
 
 
@@ -52,8 +53,6 @@ def package_versions() -> dict[str, str]:
     import mlflow
     import ray
     import torch
-
-    import raylane
 
     return {
         "python": platform.python_version(),

@@ -9,11 +9,11 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import raylane
+
 
 def package_dir() -> Path:
     """The raylane package this process imported (which copy ran)."""
-    import raylane
-
     return Path(raylane.__file__).resolve().parent
 
 

@@ -22,6 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from raylane.config import load_config
+from raylane.config.model_uri import parse_model_uri
+from raylane.tracking.identity import weights_digest
+from raylane.tracking.registry import resolve_version
+from raylane.tracking.runs import CONFIG_ARTIFACT
+
 if TYPE_CHECKING:
     import torch
 
@@ -62,9 +68,6 @@ class BaseModel:
 
 def recorded_model_config(client, run_id: str) -> ModelConfig:
     """The `model:` section of the config run `run_id` recorded (its architecture)."""
-    from raylane.config import load_config
-    from raylane.tracking.runs import CONFIG_ARTIFACT
-
     return load_config(Path(client.download_artifacts(run_id, CONFIG_ARTIFACT))).model
 
 
@@ -89,10 +92,6 @@ def resolve_base(
             architecture, target modules that match no layer, or other weights than recorded.
     """
     from mlflow.tracking import MlflowClient
-
-    from raylane.config.model_uri import parse_model_uri
-    from raylane.tracking.identity import weights_digest
-    from raylane.tracking.registry import resolve_version
 
     finetune = cfg.finetune
     ref = parse_model_uri(finetune.base)
@@ -130,8 +129,9 @@ def resolve_base(
 def _check_architecture(cfg: RaylaneConfig, recorded, named: str) -> None:
     """Raise BaseModelError unless the config's model is the base's recorded one and (LoRA)
     its target modules match layers of it."""
+    # lazy: imports torch; serving's driver reads a version's lineage without it
     from raylane.models import build_model
-    from raylane.models.adapters import AdapterTargetError, apply_lora
+    from raylane.models.adapters import AdapterTargetError, apply_lora  # lazy: as above
 
     differs = [k for k, v in recorded.model_dump().items() if getattr(cfg.model, k) != v]
     if differs:
@@ -183,7 +183,7 @@ def register_adapter(model, cfg: RaylaneConfig, base_tags: dict[str, str]) -> tu
     from mlflow.tracking import MlflowClient
     from safetensors.torch import save_file
 
-    from raylane.models.adapters import adapter_state
+    from raylane.models.adapters import adapter_state  # lazy: imports torch, as above
 
     state = adapter_state(model)
     meta = {

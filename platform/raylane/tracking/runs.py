@@ -8,18 +8,22 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import mlflow
 import numpy as np
 from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
-from torch import nn
 
 from raylane.config import RaylaneConfig
 from raylane.config.layout import describe_stages
 from raylane.config.loader import config_to_yaml, flatten
 from raylane.data.files import TOKENIZER_FILE
+from raylane.data.parquet import dataset_digest
+from raylane.tracking.step_plot import step_split_figure
+
+if TYPE_CHECKING:
+    from torch import nn
 
 log = logging.getLogger("raylane")
 
@@ -78,8 +82,6 @@ def _log_dataset_inputs(client: MlflowClient, run_id: str, cfg: RaylaneConfig, d
     from mlflow.data.meta_dataset import MetaDataset
     from mlflow.entities import DatasetInput, InputTag
     from mlflow.utils.mlflow_tags import MLFLOW_DATASET_CONTEXT
-
-    from raylane.data.parquet import dataset_digest
 
     # MLflow registers two identical local-file sources ('file' and '' schemes) and warns that
     # a path is ambiguous between them; naming the first one resolves it.
@@ -167,8 +169,6 @@ class EpochLogger:
 
     def log_step_split(self, history: list[dict[str, float]]) -> None:
         """The per-epoch step-time split as a stacked-bar figure (`step_time_split.png`)."""
-        from raylane.tracking.step_plot import step_split_figure
-
         if not history:
             return
         try:

@@ -21,9 +21,7 @@ import torch
 from torch import nn
 
 from raylane.models.optim import kernel_choice_kept
-
-META_FILE = "meta.json"
-SHARDED_DIR = "sharded"
+from raylane.train.checkpoint_files import META_FILE, SHARDED_DIR
 
 
 def _model_file(part: int) -> str:

@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 
 from raylane.config import RaylaneConfig
-from raylane.train.checkpointing import META_FILE
+from raylane.train.checkpoint_files import META_FILE
 
 EVENTS_TABLE = "world_size_events"
 EVENT_COLUMNS = ["time", "global_step", "world_size", "previous_world_size", "steps_lost"]

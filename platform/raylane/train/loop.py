@@ -24,6 +24,7 @@ import torch.distributed as dist
 from raylane.config import RaylaneConfig
 from raylane.data.memory import MemorySplit, memory_batches
 from raylane.models import build_model
+from raylane.models.adapters import apply_lora
 from raylane.models.losses import cross_entropy, token_sums
 from raylane.models.optim import build_optimizer
 from raylane.parallel import get_strategy
@@ -31,7 +32,9 @@ from raylane.parallel.device import all_reduce_scalars, synchronize
 from raylane.parallel.meters import ActivationMeter, worker_memory
 from raylane.parallel.precision import apply_matmul_precision
 from raylane.runtime import worker_threads
+from raylane.tracking.identity import code_digest, package_dir, requirements
 from raylane.tracking.step_times import StepTimes, step_metrics
+from raylane.tracking.system_metrics import node_label, start_node_monitor
 from raylane.train.batches import iter_torch_batches
 from raylane.train.checkpointing import (
     Position,
@@ -39,6 +42,8 @@ from raylane.train.checkpointing import (
     restore_sharded_checkpoint,
 )
 from raylane.train.elastic import at_world_size
+from raylane.train.errors import CODE_MISMATCH
+from raylane.train.journal import Journal
 from raylane.train.phases import WorkerMarks
 from raylane.train.step_checkpoints import StepCheckpoints, epoch_start, restore_point
 from raylane.train.straggler import Straggler
@@ -195,9 +200,6 @@ def _evaluate(strategy, model, shard, cfg):
     return loss_sum / max(count, 1), correct / max(count, 1)
 
 
-CODE_MISMATCH = "workers run different raylane code"
-
-
 def check_same_code(placement: list[dict], driver: dict | None = None) -> None:
     """Stop the run when workers imported different raylane sources than each other or than
     the driver (a node built from an older image, a job whose workers import the cluster's
@@ -214,9 +216,6 @@ def _gather_placement(rank: int) -> list[dict]:
     """Every rank's Ray node id, system-metrics node label, host, pid, thread count,
     determinism settings and code identity (collective: every rank calls)."""
     import socket
-
-    from raylane.tracking.identity import code_digest, package_dir
-    from raylane.tracking.system_metrics import node_label
 
     mine = {
         "rank": rank,
@@ -280,8 +279,6 @@ def _plain_model(cfg: RaylaneConfig, spec: WorkerSpec):
     if cfg.finetune is not None:
         model.load_state_dict(ray.get(spec.base_state))
         if cfg.finetune.method == "lora":
-            from raylane.models.adapters import apply_lora
-
             apply_lora(model, cfg.finetune)
     return model
 
@@ -309,13 +306,8 @@ def _start_tracking(spec: WorkerSpec, cfg: RaylaneConfig, rank: int, placement):
     itself; (None, None) for a run without MLflow (a Tune trial)."""
     if not spec.journal_path:
         return None, None
-    from raylane.tracking.system_metrics import start_node_monitor
-
     journal = None
     if rank == 0:
-        from raylane.tracking.identity import requirements
-        from raylane.train.journal import Journal
-
         journal = Journal(spec.journal_path)
         journal.log_group(placement, requirements())
     # The first rank on each Ray node samples it (not "local rank 0": Ray numbers local ranks

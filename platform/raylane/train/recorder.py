@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from raylane.tracking.runs import EpochLogger, TrackingOutageError
+from raylane.tracking.system_metrics import node_label, node_monitor
 from raylane.train.journal import read_records
 from raylane.train.progress import format_epoch
 
@@ -42,8 +44,6 @@ class RunRecorder:
         emit: Callable[[str], None] = log.info,
         interval_s: float = 0.5,
     ):
-        from raylane.tracking.runs import EpochLogger
-
         self.journal = journal
         self._offset = 0
         self._logger = EpochLogger(tracking_uri, run_id, outage_window_s)
@@ -88,8 +88,6 @@ class RunRecorder:
             self._monitor = None
 
     def _watch(self) -> None:
-        from raylane.tracking.runs import TrackingOutageError
-
         while not self._stop.wait(self._interval_s):
             try:
                 self.poll()
@@ -103,8 +101,6 @@ class RunRecorder:
         """Log every record appended since the last poll, in order. A record that cannot be
         logged (an artifact during an outage) is said in one line and the rest go on; metrics
         wait in the logger's buffer, and an outage past its window is raised."""
-        from raylane.tracking.runs import TrackingOutageError
-
         outage = None
         records, self._offset = read_records(self.journal, self._offset)
         for record in records:
@@ -170,8 +166,6 @@ class RunRecorder:
             return
         if not any(rank["node_id"] == self.driver_node for rank in placement):
             return
-        from raylane.tracking.system_metrics import node_label, node_monitor
-
         # MLflow's monitor announces its start and stop on INFO: not for the driver's console.
         logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)
         self._monitor = node_monitor(self._uri, self._run_id, self._monitor_s, node_label())

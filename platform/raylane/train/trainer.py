@@ -7,6 +7,10 @@ from pathlib import Path
 
 from raylane.config import RaylaneConfig
 from raylane.config.loader import with_absolute_paths
+from raylane.data.memory import MemorySplit
+from raylane.parallel import splits_dataset
+from raylane.train.journal import JOURNAL_FILE
+from raylane.train.loop import train_loop_per_worker
 from raylane.train.worker_spec import DriverLink, WorkerSpec
 
 # Ray Train's controller checks on its workers every 2 s by default, and each change of state
@@ -32,8 +36,6 @@ PROGRESS_FILE = "raylane_progress.json"
 
 def journal_path(cfg: RaylaneConfig, run_name: str) -> Path:
     """Where rank 0 journals the run for the driver (`raylane.train.journal`)."""
-    from raylane.train.journal import JOURNAL_FILE
-
     return _run_dir(cfg, run_name) / JOURNAL_FILE
 
 
@@ -62,10 +64,6 @@ def build_trainer(
     """
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
-
-    from raylane.data.memory import MemorySplit
-    from raylane.parallel import splits_dataset
-    from raylane.train.loop import train_loop_per_worker
 
     prompt_health_checks()
     _elastic_start_timeout(cfg.parallelism.elastic)

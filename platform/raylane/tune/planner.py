@@ -7,6 +7,13 @@ from pathlib import Path
 
 from rich.console import Console
 
+from raylane.tune.report import (
+    log_to_mlflow,
+    print_table,
+    scaling_plot,
+    write_best_config,
+    write_csv,
+)
 from raylane.tune.search import SearchOutcome, run_search
 from raylane.tune.spec import TuneSpec
 
@@ -22,14 +29,6 @@ class PlanResult:
 
 def plan(spec: TuneSpec, console: Console) -> PlanResult:
     """Run the search and write its outputs. Expects Ray to be connected."""
-    from raylane.tune.report import (
-        log_to_mlflow,
-        print_table,
-        scaling_plot,
-        write_best_config,
-        write_csv,
-    )
-
     outcome = run_search(spec)
     print_table(outcome, console)
     out = spec.output_dir

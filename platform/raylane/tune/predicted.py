@@ -13,6 +13,8 @@ from ray.tune.search import Searcher
 
 from raylane.config import ConfigError, RaylaneConfig
 from raylane.plan.measured import LocalPrediction, ProfileMismatch, predict_config
+from raylane.profile.job import load_or_measure
+from raylane.tracking import resolve_tracking_uri
 from raylane.tune.calibration import METRIC, Calibration, measured_calibration, pooled
 from raylane.tune.candidates import Candidate, Pruned, trial_config
 from raylane.tune.spec import TuneSpec
@@ -44,9 +46,6 @@ def profile_input(spec: TuneSpec, candidates: list[Candidate]) -> tuple[RaylaneC
 
 def rank_candidates(spec: TuneSpec, candidates: list[Candidate]) -> Ranking:
     """Profile (or reuse the profile), then rank; expects Ray to be connected."""
-    from raylane.profile.job import load_or_measure
-    from raylane.tracking import resolve_tracking_uri
-
     base, levels = profile_input(spec, candidates)
     started = time.perf_counter()
     log.info("profiling the model at %s workers at a time (reused when already measured)", levels)

@@ -11,7 +11,8 @@ from statistics import median
 from rich.console import Console
 from rich.table import Table
 
-from raylane.config.loader import config_to_yaml
+from raylane.config.loader import config_to_yaml, flatten
+from raylane.tracking import resolve_tracking_uri
 from raylane.train.phases import MARK_PREFIX
 from raylane.tune.candidates import trial_config
 from raylane.tune.search import SearchOutcome, TrialOutcome
@@ -226,9 +227,6 @@ def write_best_config(spec: TuneSpec, winner: TrialOutcome, path: Path) -> Path:
 def log_to_mlflow(spec: TuneSpec, outcome: SearchOutcome, files: list[Path]) -> str:
     """A parent run for the search, one nested run per trial; returns the parent's id."""
     import mlflow
-
-    from raylane.config.loader import flatten
-    from raylane.tracking import resolve_tracking_uri
 
     mlflow.set_tracking_uri(resolve_tracking_uri(spec.tracking_uri))
     mlflow.set_experiment(spec.experiment)

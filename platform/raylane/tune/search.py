@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from raylane.config import ConfigError
+from raylane.data import ensure_dataset
 from raylane.plan.measured import LocalPrediction
 from raylane.runtime import verbose
 from raylane.tune.calibration import METRIC, Calibration, measured_calibration, pooled
@@ -20,8 +22,10 @@ from raylane.tune.candidates import (
     enumerate_candidates,
     trial_config,
 )
+from raylane.tune.predicted import PredictedFirst, rank_candidates
 from raylane.tune.progress import TrialProgress
 from raylane.tune.spec import TuneSpec
+from raylane.tune.trial import trial_driver
 
 log = logging.getLogger("raylane")
 
@@ -179,8 +183,6 @@ def _check_cluster_fits(spec: TuneSpec) -> None:
     """A budget larger than the cluster would leave trials waiting for workers forever."""
     import ray
 
-    from raylane.config import ConfigError
-
     cluster_cpus = ray.cluster_resources().get("CPU", 0.0)
     if spec.constraints.cpus > cluster_cpus + 1e-9:
         raise ConfigError(
@@ -196,8 +198,6 @@ def run_search(spec: TuneSpec) -> SearchOutcome:
     Trials never overlap: on a small cluster, concurrent trials share cores and their measured
     throughputs would rank the layouts wrongly.
     """
-    from raylane.data import ensure_dataset
-
     candidates, pruned = enumerate_candidates(spec)
     log.info(
         "%d candidate layouts to measure, %d pruned (reasons in the table at the end)",
@@ -260,8 +260,6 @@ class _Plan:
 
 def _predict(spec: TuneSpec, plan: _Plan) -> _Plan:
     """Profile, predict every candidate, and keep the `top_k` predicted fastest to launch."""
-    from raylane.tune.predicted import rank_candidates
-
     ranking = rank_candidates(spec, plan.launch)
     predictions = ranking.predictions
     not_run = [
@@ -286,13 +284,9 @@ def _tuner(spec: TuneSpec, by_key: dict[str, Candidate], predictions):
     predictions (`PredictedFirst`, which also stops early), else a grid."""
     from ray import tune
 
-    from raylane.tune.trial import trial_driver
-
     configs = {key: trial_config(spec, c).model_dump(mode="json") for key, c in by_key.items()}
     searcher = None
     if predictions:
-        from raylane.tune.predicted import PredictedFirst
-
         searcher = PredictedFirst(
             list(by_key), predictions, spec.predict.margin, spec.trial.warmup_epochs, METRIC
         )

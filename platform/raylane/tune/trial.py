@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from raylane.config import RaylaneConfig
+from raylane.data.ray_datasets import read_datasets
+from raylane.train.trainer import build_trainer
+
 
 def trial_driver(trial: dict[str, Any], configs: dict[str, dict[str, Any]]) -> None:
     """Tune function trainable: build and fit the candidate's TorchTrainer.
@@ -16,10 +20,6 @@ def trial_driver(trial: dict[str, Any], configs: dict[str, dict[str, Any]]) -> N
     import uuid
 
     from ray.tune.integration.ray_train import TuneReportCallback
-
-    from raylane.config import RaylaneConfig
-    from raylane.data.ray_datasets import read_datasets
-    from raylane.train.trainer import build_trainer
 
     cfg = RaylaneConfig.model_validate(configs[trial["key"]])
     trainer = build_trainer(

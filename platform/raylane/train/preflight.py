@@ -1,0 +1,39 @@
+"""What a training job checks on the driver before compute is spent: the resume checkpoint,
+the tracking store and the dataset. Import-light (no torch, no Ray), so the command line runs
+these checks before either is imported."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from raylane.config import RaylaneConfig
+from raylane.data import DataError, ensure_dataset
+from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
+from raylane.train.checkpoint_files import META_FILE
+
+log = logging.getLogger("raylane")
+
+
+def check_run_inputs(cfg: RaylaneConfig) -> str:
+    """The resume checkpoint and the tracking store; returns the store's URI."""
+    if cfg.training.resume_from is not None:
+        check_resumable(cfg.training.resume_from)
+    tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
+    check_tracking_reachable(tracking_uri)
+    return tracking_uri
+
+
+def preflight(cfg: RaylaneConfig) -> str:
+    """Everything that can fail before compute is spent: the run inputs above, then the
+    dataset (prepared if built in). Returns the tracking URI."""
+    tracking_uri = check_run_inputs(cfg)
+    train_info, val_info = ensure_dataset(cfg)
+    log.info("data: %d training rows, %d validation rows", train_info.rows, val_info.rows)
+    return tracking_uri
+
+
+def check_resumable(directory: Path) -> None:
+    """Refuse, before Ray starts, a resume path that holds no checkpoint."""
+    if not (Path(directory) / META_FILE).is_file():
+        raise DataError(f"{directory}: training.resume_from is not a raylane checkpoint")
