@@ -1,11 +1,10 @@
-"""What every `raylane` command shares: the Typer app, the console, the common options, and
-how a user's mistake or a command's time on Ray is handled."""
+"""What every `raylane` command shares: the console, the common options, logging, and how a
+mistake in its arguments or config ends it."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -17,49 +16,7 @@ from raylane.config import ConfigError, RaylaneConfig, load_config
 
 DEFAULT_CONFIG = Path("configs/train/digits_ddp.yaml")
 
-app = typer.Typer(
-    help="raylane: parallel training on Ray Train, runs and models in MLflow, serving on Ray "
-    "Serve.\n\nExample: raylane train --config configs/train/digits_ddp.yaml --set "
-    "training.epochs=3",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
 console = Console(stderr=True)
-
-
-def _print_version(value: bool) -> None:
-    """`raylane --version`: raylane's version and those of what it runs on, without importing
-    them (the installed distributions' metadata)."""
-    if not value:
-        return
-    from importlib.metadata import PackageNotFoundError, version
-
-    def installed(name: str) -> str:
-        try:
-            return version(name)
-        except PackageNotFoundError:
-            return "not installed"
-
-    others = ", ".join(f"{name} {installed(name)}" for name in ("ray", "torch", "mlflow"))
-    print(f"raylane {installed('raylane')} ({others})")
-    raise typer.Exit()
-
-
-@app.callback()
-def _options(
-    version: Annotated[
-        bool,
-        typer.Option(
-            "--version",
-            is_eager=True,
-            callback=_print_version,
-            help="Print raylane's version, and Ray's, torch's and MLflow's, then exit.",
-        ),
-    ] = False,
-) -> None:
-    pass
-
 
 ConfigOption = Annotated[
     Path, typer.Option("--config", "-c", help="Run config YAML (see configs/).")
@@ -86,11 +43,29 @@ VerboseOption = Annotated[
         "Ray's log files).",
     ),
 ]
+VersionOption = Annotated[
+    int | None,
+    typer.Option(
+        "--version",
+        min=1,
+        help="Registry version to serve (default: the champion alias's). On a running app this "
+        "rolls replicas onto it without dropping requests; rolling back is the same command.",
+    ),
+]
+TrackingUriOption = Annotated[
+    str | None,
+    typer.Option(
+        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)."
+    ),
+]
+
+
+def version_override(version: int | None) -> list[str]:
+    """`--version N` as the config override it stands for."""
+    return [] if version is None else [f"serving.model_version={version}"]
 
 
 def setup_logging(verbose: bool = False) -> None:
-    import os
-
     if verbose:
         os.environ["RAYLANE_VERBOSE"] = "1"
     handler = RichHandler(console=console, show_path=False, markup=False)
@@ -115,71 +90,3 @@ def load(config: Path, overrides: list[str] | None) -> RaylaneConfig:
         return load_config(config, overrides or [])
     except ConfigError as exc:
         raise fail(str(exc)) from None
-
-
-def user_errors() -> tuple[type[Exception], ...]:
-    from raylane.data import DataError
-    from raylane.inference import ModelNotFoundError
-    from raylane.serving.errors import ServedModelError
-    from raylane.serving.guard import ApiKeyError
-    from raylane.serving.leftovers import LeftoverIngressError
-    from raylane.tracking import TrackingError
-    from raylane.tracking.lineage import BaseModelError
-    from raylane.train.job import CodeMismatchError
-
-    return (
-        ConfigError, DataError, ModelNotFoundError, TrackingError, ApiKeyError, CodeMismatchError,
-        LeftoverIngressError, BaseModelError, ServedModelError,
-    )  # fmt: skip
-
-
-@contextmanager
-def user_mistakes(*more: type[Exception]) -> Iterator[None]:
-    """A user's mistake (bad config, data, store, model, key...) ends the command with one
-    `error:` line naming it, not a traceback."""
-    try:
-        yield
-    except (*user_errors(), *more) as exc:
-        raise fail(str(exc)) from None
-
-
-@contextmanager
-def on_ray(
-    *more: type[Exception], phases=None, before_local_start: Callable[[], None] | None = None
-) -> Iterator[bool]:
-    """One command's time on Ray: connect to $RAY_ADDRESS or start a local Ray (yielding
-    whether it started one), report a user's mistake in one line, and stop a Ray it started
-    however the command ends. `phases` (a PhaseClock) times the connection and shutdown."""
-    from raylane.runtime import connect_ray, disconnect_ray
-
-    def timed(name: str):
-        return phases.phase(name) if phases is not None else nullcontext()
-
-    started = False
-    try:
-        with user_mistakes(*more):
-            with timed("ray"):
-                started = connect_ray(before_local_start=before_local_start)
-            yield started
-    finally:
-        with timed("shutdown"):
-            disconnect_ray(started)
-
-
-VersionOption = Annotated[
-    int | None,
-    typer.Option(
-        "--version",
-        min=1,
-        help="Registry version to serve (default: the champion alias's). On a running app this "
-        "rolls replicas onto it without dropping requests; rolling back is the same command.",
-    ),
-]
-
-
-TrackingUriOption = Annotated[
-    str | None,
-    typer.Option(
-        help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)."
-    ),
-]

@@ -7,10 +7,15 @@ from typing import Annotated
 
 import typer
 
-from raylane.cli.common import TrackingUriOption, app, console, user_mistakes
+from raylane.cli.common import TrackingUriOption, console
+from raylane.cli.lazy import deferred
+from raylane.cli.running import user_mistakes
+from raylane.tracking import resolve_tracking_uri
+
+# MLflow and torch: loaded once the arguments are checked.
+checkpoints = deferred("raylane.tracking.checkpoints_hf")
 
 
-@app.command("import")
 def import_(
     directory: Annotated[
         Path, typer.Argument(help="Hugging Face checkpoint directory (config.json, safetensors).")
@@ -19,15 +24,11 @@ def import_(
     tracking_uri: TrackingUriOption = None,
 ) -> None:
     """Register a Hugging Face checkpoint (Llama, Mistral, Qwen2) as a new model version."""
-    from raylane.tracking import resolve_tracking_uri
-    from raylane.tracking.checkpoints_hf import CheckpointError, import_checkpoint
-
-    with user_mistakes(CheckpointError):
-        done = import_checkpoint(directory, name, resolve_tracking_uri(tracking_uri))
+    with user_mistakes(checkpoints.CheckpointError):
+        done = checkpoints.import_checkpoint(directory, name, resolve_tracking_uri(tracking_uri))
     _report(f"registered {done.name} v{done.version} from {done.source} (sha256 {done.sha256})")
 
 
-@app.command("export")
 def export(
     model_uri: Annotated[
         str, typer.Argument(help="Registered version: models:/NAME/VERSION or models:/NAME@ALIAS.")
@@ -37,11 +38,8 @@ def export(
 ) -> None:
     """Write a registered Llama-family model (imported, or trained by raylane) as a Hugging
     Face directory."""
-    from raylane.tracking import resolve_tracking_uri
-    from raylane.tracking.checkpoints_hf import CheckpointError, export_model
-
-    with user_mistakes(CheckpointError):
-        done = export_model(model_uri, directory, resolve_tracking_uri(tracking_uri))
+    with user_mistakes(checkpoints.CheckpointError):
+        done = checkpoints.export_model(model_uri, directory, resolve_tracking_uri(tracking_uri))
     _report(f"wrote {done.directory} (transformers.AutoModelForCausalLM.from_pretrained loads it)")
 
 

@@ -13,17 +13,27 @@ from raylane.cli.common import (
     SetOption,
     TuneSetOption,
     VerboseOption,
-    app,
     console,
     fail,
     load,
-    on_ray,
     setup_logging,
-    user_mistakes,
 )
+from raylane.cli.lazy import deferred
+from raylane.cli.running import on_ray, user_mistakes
+from raylane.plan.hardware import HardwareError, load_cluster
+from raylane.plan.pricing import DEFAULT_RESTART_S, CostTerms, checkpoint_seconds
+from raylane.plan.report import render, render_costs, render_profile, write_config
+from raylane.plan.search import epoch_tokens_for, plan, plan_by_cost, workload_for
+from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
+from raylane.tune.candidates import enumerate_candidates
+from raylane.tune.spec import is_search_spec, load_spec
+
+# Ray Tune, Ray Train and MLflow: loaded once the arguments and config are checked.
+planner = deferred("raylane.tune.planner")
+predicted = deferred("raylane.tune.predicted")
+profile_job = deferred("raylane.profile.job")
 
 
-@app.command()
 def tune(
     config: Annotated[
         Path, typer.Option("--config", "-c", help="Search spec YAML (see configs/tune/).")
@@ -36,13 +46,10 @@ def tune(
     Example: raylane tune --config configs/tune/parallelism.yaml --set trial.epochs=3
     """
     setup_logging(verbose)
-    from raylane.tune.planner import plan
-    from raylane.tune.spec import load_spec
-
     with user_mistakes():
         spec = load_spec(config, overrides or [])
     with on_ray():
-        result = plan(spec, console)
+        result = planner.plan(spec, console)
     if result.best_config is None:
         raise typer.Exit(1)
 
@@ -79,7 +86,6 @@ CheckpointOption = Annotated[
 ]
 
 
-@app.command("plan")
 def plan_layouts(
     model: Annotated[
         Path, typer.Option("--model", "-m", help="Training config of the (GPT) model to plan.")
@@ -140,10 +146,6 @@ def _plan(
 ) -> None:  # fmt: skip
     """Plan, print and write; `cost_terms` (epoch tokens, restart s, checkpoint s, each None
     for its default) ranks by cost instead of time."""
-    from raylane.plan.hardware import HardwareError, load_cluster
-    from raylane.plan.report import render, render_costs, write_config
-    from raylane.plan.search import plan, plan_by_cost, workload_for
-
     try:
         hardware = load_cluster(cluster)
         work = workload_for(cfg, global_batch or cfg.training.batch_size, precision)
@@ -171,9 +173,6 @@ def _plan(
 
 def _resolve_cost_terms(cfg, work, epoch_tokens, restart_s, checkpoint_s) -> tuple:
     """The cost terms with each default filled in, and where the epoch's size comes from."""
-    from raylane.plan.pricing import DEFAULT_RESTART_S, CostTerms, checkpoint_seconds
-    from raylane.plan.search import epoch_tokens_for
-
     if epoch_tokens is None:
         epoch_tokens, epoch_source = epoch_tokens_for(cfg, work)
     else:
@@ -184,7 +183,6 @@ def _resolve_cost_terms(cfg, work, epoch_tokens, restart_s, checkpoint_s) -> tup
     return CostTerms(epoch_tokens, checkpoint_s, restart_s), epoch_source
 
 
-@app.command("profile")
 def profile_cluster(
     config: Annotated[
         Path,
@@ -207,9 +205,6 @@ def profile_cluster(
     Example: raylane profile --config configs/train/lm_pipeline.yaml
     """
     setup_logging(verbose)
-    from raylane.profile.job import load_or_measure
-    from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
-
     cfg, levels, tracking_uri = _what_to_profile(config, overrides)
     if cfg.model.kind != "gpt":
         raise fail(f"model.kind must be 'gpt' to profile its blocks, not '{cfg.model.kind}'")
@@ -217,9 +212,9 @@ def profile_cluster(
     with user_mistakes():
         check_tracking_reachable(tracking_uri)
     with on_ray():
-        found, run_id, reused = load_or_measure(cfg, tracking_uri, refresh, concurrency=levels)
-    from raylane.plan.report import render_profile
-
+        found, run_id, reused = profile_job.load_or_measure(
+            cfg, tracking_uri, refresh, concurrency=levels
+        )
     out = Console()
     render_profile(found, reused, out)
     out.print(f"MLflow run {run_id}", highlight=False)
@@ -228,18 +223,12 @@ def profile_cluster(
 def _what_to_profile(config: Path, overrides: list[str] | None):
     """A training config at its own worker count, or a search spec's widest layout at each of
     its worker counts (the profile `raylane tune` measures, so the search then reuses it)."""
-    from raylane.tune.spec import is_search_spec
-
     if not is_search_spec(config):
         cfg = load(config, overrides)
         return cfg, None, cfg.tracking.tracking_uri
-    from raylane.tune.candidates import enumerate_candidates
-    from raylane.tune.predicted import profile_input
-    from raylane.tune.spec import load_spec
-
     with user_mistakes():
         spec = load_spec(config, overrides or [])
         candidates, _ = enumerate_candidates(spec)
         if not candidates:
             raise fail(f"{config}: no valid layout to profile")
-        return (*profile_input(spec, candidates), spec.tracking_uri)
+        return (*predicted.profile_input(spec, candidates), spec.tracking_uri)

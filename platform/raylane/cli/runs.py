@@ -2,23 +2,22 @@
 
 from __future__ import annotations
 
+import os
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from raylane.cli.common import (
-    TrackingUriOption,
-    VerboseOption,
-    app,
-    console,
-    fail,
-    on_ray,
-    setup_logging,
-)
+from raylane.cli.common import TrackingUriOption, VerboseOption, console, fail, setup_logging
+from raylane.cli.lazy import deferred
+from raylane.cli.running import on_ray
+from raylane.tracking import resolve_tracking_uri
+
+# MLflow and torch (a run's weights): loaded once the arguments are checked.
+compare_runs = deferred("raylane.tracking.compare")
+reproduction = deferred("raylane.reproduce")
 
 
-@app.command()
 def compare(
     run_a: Annotated[str, typer.Argument(help="MLflow run id.")],
     run_b: Annotated[str, typer.Argument(help="MLflow run id.")],
@@ -28,17 +27,16 @@ def compare(
     final metrics and weights."""
     from mlflow.tracking import MlflowClient
 
-    from raylane.tracking import resolve_tracking_uri
-    from raylane.tracking.compare import SECTIONS, differences, run_record
-
     client = MlflowClient(tracking_uri=resolve_tracking_uri(tracking_uri))
     try:
-        records = [run_record(client, run) for run in (run_a, run_b)]
+        records = [compare_runs.run_record(client, run) for run in (run_a, run_b)]
     except Exception as exc:  # an unknown run id or an unreachable store
         raise fail(str(exc).splitlines()[0]) from None
-    found = differences(*records)
+    found = compare_runs.differences(*records)
     if not found:
-        console.print(f"runs {run_a} and {run_b} agree in {', '.join(SECTIONS)}", highlight=False)
+        console.print(
+            f"runs {run_a} and {run_b} agree in {', '.join(compare_runs.SECTIONS)}", highlight=False
+        )
         return
     table = Table(title=f"{len(found)} differences")
     for name in ("section", "key", run_a[:12], run_b[:12]):
@@ -48,7 +46,6 @@ def compare(
     console.print(table)
 
 
-@app.command()
 def reproduce(
     run_id: Annotated[str, typer.Argument(help="MLflow run id of the training run to repeat.")],
     allow_drift: Annotated[
@@ -60,22 +57,16 @@ def reproduce(
     """Re-run a training run from MLflow alone and say whether it came out identical."""
     setup_logging(verbose)
     if tracking_uri:
-        import os
-
         os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
     from mlflow.tracking import MlflowClient
-
-    from raylane.reproduce import DriftError
-    from raylane.reproduce import reproduce as reproduce_run
-    from raylane.tracking import resolve_tracking_uri
 
     client = MlflowClient(tracking_uri=resolve_tracking_uri(tracking_uri))
     try:
         client.get_run(run_id)
     except Exception as exc:
         raise fail(f"run {run_id}: {str(exc).splitlines()[0]}") from None
-    with on_ray(DriftError):
-        result = reproduce_run(client, run_id, allow_drift=allow_drift, show=console.print)
+    with on_ray(reproduction.DriftError):
+        result = reproduction.reproduce(client, run_id, allow_drift=allow_drift, show=console.print)
     console.print(
         f"{result.verdict}{': ' + result.detail if result.detail else ''} "
         f"(run {result.run_id} reproduces {run_id})",
