@@ -44,3 +44,56 @@ def test_no_module_branches_on_a_strategy_name():
         for line in _strategy_tests(tree)
     ]
     assert found == []
+
+
+def _functions(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            yield node
+
+
+def test_modules_and_functions_stay_small():
+    """Modules of at most 400 lines and functions of at most 60, benchmarks included."""
+    long_modules, long_functions = [], []
+    for path, tree in _modules(PACKAGE, ROOT / "benchmarks"):
+        lines = path.read_text().count("\n")
+        if lines > 400:
+            long_modules.append(f"{path.relative_to(ROOT)}: {lines} lines")
+        long_functions += [
+            f"{path.relative_to(ROOT)}:{f.lineno} {f.name}: {f.end_lineno - f.lineno + 1} lines"
+            for f in _functions(tree)
+            if f.end_lineno - f.lineno + 1 > 60
+        ]
+    assert long_modules == [] and long_functions == []
+
+
+def _lazy_raylane_imports(path: Path, tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, the comment just above or beside it) of each import of raylane inside a
+    function."""
+    lines = path.read_text().splitlines()
+    found = set()
+    for function in _functions(tree):
+        for node in ast.walk(function):
+            names = []
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] if node.level == 0 else ["raylane"]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            if any(name.split(".")[0] == "raylane" for name in names):
+                found.add(node.lineno)
+    reasons = []
+    for line in sorted(found):
+        here, above = lines[line - 1], lines[line - 2].strip()
+        reason = here.partition("#")[2] or (above[1:] if above.startswith("#") else "")
+        reasons.append((line, reason.strip()))
+    return reasons
+
+
+def test_raylane_imports_sit_at_the_top_of_modules_save_a_few_with_their_reason():
+    lazy = {
+        f"{path.relative_to(ROOT)}:{line}": reason
+        for path, tree in _modules(PACKAGE)
+        for line, reason in _lazy_raylane_imports(path, tree)
+    }
+    assert len(lazy) <= 20, sorted(lazy)
+    assert [where for where, reason in lazy.items() if not reason] == []
