@@ -17,9 +17,9 @@ from collections import defaultdict
 import grimp
 
 #: The layout and everything that applies or reads it.
-LAYOUT = ["config.dims", "config.layout", "models.gpt_plan", "parallel", "train.loop",
-          "plan.cost", "plan.measured", "plan.search", "plan.wrapped", "profile.layouts",
-          "tune.candidates"]  # fmt: skip
+LAYOUT = ["config.presets", "config.dims", "config.layout", "models.gpt_plan", "parallel",
+          "train.loop", "plan.cost", "plan.measured", "plan.search", "plan.wrapped",
+          "profile.layouts", "tune.candidates"]  # fmt: skip
 
 
 def _selected(module: str, wanted: list[str]) -> bool:
