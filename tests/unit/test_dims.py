@@ -175,3 +175,28 @@ def test_a_context_parallel_layout_splits_the_sequence_and_keeps_the_replicas():
     assert dims.describe() == "dp 2 x cp 2 (4 workers): gradients all-reduced"
     # The two workers of one replica read the same rows: their data rank is the replica's.
     assert [dims.data_rank(r) for r in range(4)] == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides", "trains_on"),
+    [
+        (REFERENCE, [], "ddp:DataParallel"),
+        (REFERENCE, ["parallelism.strategy=null", "parallelism.sync={kind: periodic_average}"],
+         "local_sgd:LocalSGD"),
+        (REFERENCE, ["parallelism.strategy=ssp"], "async_sgd:ParameterServerTraining"),
+        (LM, [], "pipeline:PipelineParallel"),
+        (LM, ["parallelism.strategy=fsdp", "parallelism.workers=4", "parallelism.dp=2"],
+         "pipeline:PipelineParallel"),
+        ("configs/train/lm_tp.yaml", [], "mesh_parallel:MeshParallel"),
+        ("configs/train/lm_fsdp.yaml", [], "mesh_parallel:MeshParallel"),
+        # one worker of an elastic FSDP range still checkpoints as FSDP does
+        ("configs/train/lm_fsdp.yaml", ["parallelism.workers=1"], "mesh_parallel:MeshParallel"),
+        (LM, ["parallelism.strategy=ddp", "parallelism.pp=1", "parallelism.cp=2"],
+         "mesh_parallel:MeshParallel"),
+    ],
+)  # fmt: skip
+def test_what_trains_a_layout_follows_its_degrees_and_sync(config, overrides, trains_on):
+    from raylane.parallel.registry import implementation
+
+    par = load_config(config, overrides).parallelism
+    assert implementation(par) == f"raylane.parallel.{trains_on}"
