@@ -135,6 +135,18 @@ def compare_runs(client: MlflowClient, original: str, again: str) -> tuple[str, 
     return "identical", ""
 
 
+def refuse_drift(drift: list[Difference], run_id: str, *, allow_drift: bool) -> list[Difference]:
+    """The differences that block a re-run (all but the informational ones); raises DriftError
+    naming them unless `allow_drift`."""
+    blocking = [d for d in drift if (d.section, d.key) not in INFORMATIONAL]
+    if blocking and not allow_drift:
+        names = ", ".join(f"{d.section} {d.key}" for d in blocking)
+        raise DriftError(
+            f"the present differs from run {run_id} in {names}; --allow-drift runs it anyway"
+        )
+    return blocking
+
+
 def reproduce(client: MlflowClient, run_id: str, *, allow_drift: bool, show) -> Reproduction:
     """Check, re-run and compare. `show` prints a rich renderable. Expects Ray connected."""
     cfg = recorded_config(client, run_id)
@@ -142,12 +154,7 @@ def reproduce(client: MlflowClient, run_id: str, *, allow_drift: bool, show) -> 
     present = present_record(cfg) | {"base": present_base(client, recorded["base"])}
     table, drift = drift_table(recorded, present, run_id)
     show(table)
-    blocking = [d for d in drift if (d.section, d.key) not in INFORMATIONAL]
-    if blocking and not allow_drift:
-        names = ", ".join(f"{d.section} {d.key}" for d in blocking)
-        raise DriftError(
-            f"the present differs from run {run_id} in {names}; --allow-drift runs it anyway"
-        )
+    refuse_drift(drift, run_id, allow_drift=allow_drift)
     base = None
     if cfg.finetune is not None:  # the base the run recorded, with the weights it recorded
         tags = client.get_run(run_id).data.tags

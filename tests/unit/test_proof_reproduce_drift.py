@@ -1,7 +1,8 @@
 """What `raylane reproduce` compares before it runs, read from a run recorded in a real MLflow
 store: the run's resolved config comes back as it was logged, and the drift between what the
 run recorded (code digest, git commit, dataset digest, versions, cluster) and what raylane
-measures now names each key that moved, with both values.
+measures now names each key that moved, with both values; a blocking difference refuses the
+re-run in one line naming it unless --allow-drift, a moved git commit alone does not.
 
 The present here is this process's own code digest and package versions; the git commit, the
 dataset digest and the cluster shape (the last two need a connected Ray cluster to measure)
@@ -15,7 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from raylane.config import ConfigError, load_config
 from raylane.config.loader import config_to_yaml
-from raylane.reproduce import INFORMATIONAL, drift_table, recorded_config
+from raylane.reproduce import INFORMATIONAL, DriftError, drift_table, recorded_config, refuse_drift
 from raylane.tracking.cluster import package_versions
 from raylane.tracking.compare import run_record
 from raylane.tracking.identity import code_digest
@@ -75,6 +76,7 @@ def test_a_run_of_this_code_and_these_versions_differs_only_in_what_does_not_blo
     _, drift = drift_table(run_record(store[0], run_id), now, run_id)
     assert [(d.section, d.key, d.a, d.b) for d in drift] == [("code", "git commit", "c0", "c1")]
     assert {(d.section, d.key) for d in drift} <= INFORMATIONAL
+    assert refuse_drift(drift, run_id, allow_drift=False) == []  # runs without --allow-drift
 
 
 def test_a_run_of_other_code_and_another_torch_names_both_with_their_values(store, now):
@@ -87,6 +89,13 @@ def test_a_run_of_other_code_and_another_torch_names_both_with_their_values(stor
         ("versions", "torch", "2.0.0", present_torch),
     ]
     assert not INFORMATIONAL & {(d.section, d.key) for d in drift}  # both block
+    with pytest.raises(DriftError) as refused:
+        refuse_drift(drift, run_id, allow_drift=False)
+    assert str(refused.value) == (
+        f"the present differs from run {run_id} in code raylane.code_digest, versions torch; "
+        "--allow-drift runs it anyway"
+    )
+    assert refuse_drift(drift, run_id, allow_drift=True) == drift
     rows = _marked(table)
     assert rows["code: raylane.code_digest"] == (
         "[red]≠[/]",
