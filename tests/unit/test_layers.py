@@ -121,11 +121,13 @@ def test_the_import_graph_draws_the_layout_parts_and_their_order():
     from import_graph import LAYOUT, mermaid
 
     drawn = mermaid(LAYOUT)
-    # parallelize applies the model's own plan; every reader of the layout reads one type.
-    assert "raylane_parallel_parallelize --> raylane_models_gpt_plan" in drawn
+    # parallelize applies the plan the model names (no model's plan imported by the parallel
+    # layer); every reader of the layout reads one type, which reads the preset table alone.
+    assert "raylane_parallel_parallelize --> raylane_models" not in drawn
     for reader in ("parallel_mesh", "plan_cost", "plan_measured", "plan_search", "plan_wrapped"):
         assert f"raylane_{reader} --> raylane_config_dims" in drawn, reader
-    assert "raylane_config_dims -->" not in drawn  # the layout type imports none of them
+    from_dims = [line.strip() for line in drawn.splitlines() if "raylane_config_dims -->" in line]
+    assert from_dims == ["raylane_config_dims --> raylane_config_presets"]
     # The planner and the profile job read the wrapped blocks' names from one module.
     for reader in ("plan_measured", "profile_layouts"):
         assert f"raylane_{reader} --> raylane_plan_wrapped" in drawn, reader

@@ -220,7 +220,36 @@ def _run_config(**parallelism) -> RaylaneConfig:
 
 def test_layouts_without_a_llama_plan_are_refused():
     assert _run_config(strategy="fsdp", workers=2).model.kind == "llama"
-    with pytest.raises(ValidationError, match="model.kind 'llama' trains with strategy 'ddp' or"):
+    refused = "model.kind 'llama' trains with strategy 'ddp' or"
+    with pytest.raises(ValidationError, match=refused):
         _run_config(strategy="local_sgd", workers=2)
-    with pytest.raises(ValidationError, match="model.kind must be 'gpt', not 'llama'"):
-        _run_config(strategy="tp", tp=2, workers=2)
+    with pytest.raises(ValidationError, match="into stages; model.kind must be 'gpt', not 'l"):
+        _run_config(strategy="pipeline", pp=2, workers=2)
+    with pytest.raises(ValidationError, match="parallelism.cp splits token sequences; model.kin"):
+        _run_config(strategy="ddp", cp=2, workers=2)
+
+
+def test_tensor_parallel_llama_layouts_need_whole_heads_and_equal_mlp_parts():
+    assert _run_config(strategy="tp", tp=2, workers=2).parallelism.tp == 2
+    fsdp_tp = _run_config(strategy="fsdp", tp=2, workers=4, sequence_parallel=True)
+    assert fsdp_tp.parallelism.dims.tp_enabled and fsdp_tp.parallelism.dims.fsdp_enabled
+    model = {"kind": "llama", "num_classes": 256, "input_dim": 32}
+    for shape, field in (
+        ({"n_heads": 2, "d_model": 64}, "n_heads (2)"),
+        ({"n_kv_heads": 2}, "n_kv_heads (2)"),
+        ({"ffn_dim": 102}, "ffn_dim (102)"),
+    ):
+        with pytest.raises(ValidationError) as error:
+            RaylaneConfig.model_validate({
+                "experiment": "llama", "data": {"source": "parquet"},
+                "model": model | shape, "parallelism": {"strategy": "tp", "tp": 4, "workers": 4},
+            })  # fmt: skip
+        message = str(error.value.errors()[0]["msg"])
+        assert f"model.{field} is not divisible by parallelism.tp (4)" in message, message
+        assert "\n" not in message
+    with pytest.raises(ValidationError, match="model.tie_embeddings"):
+        RaylaneConfig.model_validate({
+            "experiment": "llama", "data": {"source": "parquet"},
+            "model": model | {"tie_embeddings": True},
+            "parallelism": {"strategy": "tp", "tp": 2, "workers": 2, "sequence_parallel": True},
+        })  # fmt: skip

@@ -96,6 +96,10 @@ class GPT(nn.Module):
     hidden states `[B, T, d_model]`; when it has no head, it returns hidden states.
     """
 
+    # The module holding how its blocks split over tensor-parallel workers (named, not
+    # imported: its DTensor imports are paid only where tensor parallelism is applied).
+    tp_plan = "raylane.models.gpt_plan"
+
     def __init__(self, vocab_size: int, context_length: int, d_model: int, n_heads: int,
                  n_layers: int):  # fmt: skip
         super().__init__()

@@ -69,17 +69,19 @@ def head_plan() -> dict[str, ParallelStyle]:
     return {"norm": SequenceParallel(), "head": SequenceGathered(vocabulary_output=True)}
 
 
-def block_io(last: bool = False) -> ParallelStyle:
+def block_io(last: bool = False, inputs: int = 1) -> ParallelStyle:
     """Sequence parallelism's block boundary: the block's input (replicated, as the previous
     block or the embedding leaves it) is cut along the sequence, so the norms, residual adds and
     their saved activations hold T / tp positions; its output is gathered back, except after
-    the `last` block when the model's end works on the shards too (`head_plan`)."""
+    the `last` block when the model's end works on the shards too (`head_plan`). A block taking
+    more than one positional input (`inputs`) gets the others unchanged."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 
+    unchanged = (None,) * (inputs - 1)
     return PrepareModuleInputOutput(
-        input_layouts=(Replicate(),),
-        desired_input_layouts=(Shard(1),),
+        input_layouts=(Replicate(), *unchanged),
+        desired_input_layouts=(Shard(1), *unchanged),
         use_local_input=False,
         output_layouts=(Shard(1),),
         desired_output_layouts=(Shard(1),) if last else (Replicate(),),

@@ -81,7 +81,7 @@ def llama_config(model: ModelConfig) -> LlamaConfig:
         n_layers=model.n_layers,
         n_heads=model.n_heads,
         n_kv_heads=model.n_kv_heads or model.n_heads,
-        ffn_dim=model.ffn_dim or 64 * math.ceil(8 * model.d_model / 3 / 64),
+        ffn_dim=model.llama_widths()["ffn_dim"],
         max_positions=model.input_dim,
         rope_theta=model.rope_theta,
         rms_norm_eps=model.rms_norm_eps,
@@ -217,6 +217,8 @@ class LlamaForCausalLM(nn.Module):
     hidden states `[B, T, d_model]`; when it has no head, it returns hidden states. With
     `tie_embeddings` the head's weight is the embedding's (one parameter).
     """
+
+    tp_plan = "raylane.models.llama_plan"  # its tensor-parallel plan, as `GPT.tp_plan`
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()

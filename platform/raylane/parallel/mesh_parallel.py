@@ -1,7 +1,7 @@
 """Layouts that split the model on one mesh without pipeline stages: tensor parallel (strategy
 'tp'), FSDP2 (strategy 'fsdp'), and both (FSDP over tensor-parallel blocks, 2D: dp x tp).
 
-`parallelize` applies the layout to the plain model (the GPT's tensor-parallel plan, activation
+`parallelize` applies the layout to the plain model (the model's tensor-parallel plan, activation
 checkpointing, FSDP over the `dp_shard` workers); what is left to this strategy is how its
 data-parallel workers agree. Sharded workers need nothing more (FSDP reduce-scatters the
 gradients inside backward); replicas of a tensor-parallel model average their gradient shards

@@ -3,7 +3,8 @@ pipeline stage of it.
 
 1. context parallel: the model computes on this worker's chunks of each sequence, attention by
    ring attention over the `cp` sub-mesh (`raylane.parallel.ring_attention`);
-2. tensor parallel: the model's own plan (`raylane.models.gpt_plan`) over the `tp` sub-mesh
+2. tensor parallel: the model's own plan (the module its class names: `raylane.models.gpt_plan`,
+   `raylane.models.llama_plan`) over the `tp` sub-mesh
    (with sequence parallelism: its norms and residuals on sequence shards);
 3. activation checkpointing: each block recomputed in backward;
 4. `training.compile`: each block's forward compiled by torch.compile (torchtitan's regional
@@ -23,6 +24,7 @@ a data-parallel worker never pays their imports.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,25 +46,27 @@ def apply_tensor_parallel(
     sequence_parallel: bool = False,
     vocabulary_loss: bool = False,
 ) -> nn.Module:
-    """Split every block of a GPT (or of a stage) over `tp_mesh` by the model's plan, in place;
+    """Split every block of a GPT or a Llama (or of a stage) over `tp_mesh` by the plan its
+    class names (`tp_plan`: `block_plan`, `block_io`, `head_plan`), in place;
     with `sequence_parallel`, the blocks' norms and residuals over sequence shards, and with
     `vocabulary_loss` too (a whole model whose loss runs under torch's `loss_parallel`:
     `sharded_loss`) its final norm on the shards and its head split over the vocabulary."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    # lazy: the plan imports DTensor (about 0.5 s per worker) that other layouts never need
-    from raylane.models.gpt_plan import block_io, block_plan, head_plan
-
     if tp_mesh.size() == 1:
         return model
+    # The model's class names its plan module (`GPT.tp_plan`), imported only here: a plan
+    # imports DTensor (about 0.5 s per worker) that other layouts never need.
+    plan = importlib.import_module(model.tp_plan)
     blocks = list(model.blocks.values())
     ends = sequence_parallel and vocabulary_loss and model.head is not None
     for index, block in enumerate(blocks):
-        parallelize_module(block, tp_mesh, block_plan(sequence_parallel))
+        parallelize_module(block, tp_mesh, plan.block_plan(sequence_parallel))
         if sequence_parallel:
-            parallelize_module(block, tp_mesh, block_io(last=ends and index == len(blocks) - 1))
+            last = ends and index == len(blocks) - 1
+            parallelize_module(block, tp_mesh, plan.block_io(last=last))
     if ends:
-        parallelize_module(model, tp_mesh, head_plan())
+        parallelize_module(model, tp_mesh, plan.head_plan())
     return model
 
 
