@@ -146,10 +146,10 @@ def _check_preset(par: ParallelismConfig) -> None:
 def _check_unpipelined(cfg: LayoutConfig) -> None:
     """Without stages: the workers split into whole groups of tp * cp, `dp` of them."""
     par = cfg.parallelism
-    if par.tp > 1 and cfg.model.kind != "gpt":
+    if par.tp > 1 and cfg.model.kind not in ("gpt", "llama"):
         raise ValueError(
             f"parallelism.tp {par.tp} splits transformer blocks; model.kind must be 'gpt', not "
-            f"'{cfg.model.kind}'"
+            f"'{cfg.model.kind}' (or 'llama')"
         )
     factors = {"dp": par.dp, "tp": par.tp, "cp": par.cp}
     split = [k for k in ("tp", "cp") if factors[k] > 1]
@@ -257,10 +257,10 @@ def _check_options(cfg: LayoutConfig) -> None:
             f"parallelism.straggler.rank {max(par.straggler.ranks)} names no worker; "
             f"ranks are 0-{par.workers - 1}"
         )
-    if par.sequence_parallel and (par.tp == 1 or cfg.model.kind != "gpt"):
+    if par.sequence_parallel and (par.tp == 1 or cfg.model.kind not in ("gpt", "llama")):
         raise ValueError(
-            "parallelism.sequence_parallel splits the sequence inside tensor-parallel gpt "
-            "blocks; it needs model.kind 'gpt' and parallelism.tp > 1"
+            "parallelism.sequence_parallel splits the sequence inside tensor-parallel "
+            "blocks; it needs model.kind 'gpt' or 'llama' and parallelism.tp > 1"
         )
     if par.sequence_parallel and (cfg.model.input_dim // par.cp) % par.tp:
         raise ValueError(

@@ -119,6 +119,32 @@ class ModelConfig(StrictModel):
             )
         return self
 
+    def llama_widths(self) -> dict[str, int]:
+        """llama: the widths a tensor-parallel split divides, by field name (n_heads, n_kv_heads,
+        ffn_dim with its default), read from the checkpoint's config.json when `pretrained`."""
+        if self.pretrained is not None:
+            raw = json.loads((self.pretrained / "config.json").read_text())
+            heads = raw.get("num_attention_heads", 0)
+            kv_heads = raw.get("num_key_value_heads") or heads
+            return {
+                "n_heads": heads,
+                "n_kv_heads": kv_heads,
+                "ffn_dim": raw.get("intermediate_size", 0),
+            }
+        ffn_dim = self.ffn_dim or 64 * math.ceil(8 * self.d_model / 3 / 64)
+        return {
+            "n_heads": self.n_heads,
+            "n_kv_heads": self.n_kv_heads or self.n_heads,
+            "ffn_dim": ffn_dim,
+        }
+
+    def llama_tied(self) -> bool:
+        """llama: whether the head is the embedding matrix (the checkpoint's when `pretrained`)."""
+        if self.pretrained is not None:
+            raw = json.loads((self.pretrained / "config.json").read_text())
+            return bool(raw.get("tie_word_embeddings", False))
+        return self.tie_embeddings
+
     def _check_pretrained(self, directory: Path) -> ModelConfig:
         """The checkpoint's vocabulary is the classes; its context bounds the training one.
         Only sizes are read here (the architecture is checked when the model is built)."""

@@ -172,7 +172,7 @@ class ParallelismConfig(StrictModel):
     )
     sequence_parallel: bool = Field(
         False,
-        description="With tp > 1: each tensor-parallel block's LayerNorms and residual adds "
+        description="With tp > 1: each tensor-parallel block's norms and residual adds "
         "work on 1/tp of the sequence (Megatron-style sequence parallelism): its all-reduces "
         "become reduce-scatter + all-gather (the same bytes), its column-wise matmuls keep "
         "only their input's shard for backward (gathering it again there), and outside a "

@@ -112,8 +112,13 @@ class TrackingConfig(StrictModel):
     )
     champion_metric: str = Field(
         "val_accuracy",
-        description="Validation metric (higher is better) that decides whether a new version "
-        "takes the champion alias.",
+        description="Validation metric that decides whether a new version takes the champion "
+        "alias (a language model's `val_loss`, a classifier's `val_accuracy`).",
+    )
+    champion_goal: Literal["auto", "max", "min"] = Field(
+        "auto",
+        description="Whether the champion metric is better higher ('max') or lower ('min'); "
+        "'auto': lower for a loss, bits per byte or perplexity, higher otherwise.",
     )
     outage_window_s: float = Field(
         300.0,
@@ -128,6 +133,13 @@ class TrackingConfig(StrictModel):
         "node that runs workers, logged as the run's system metrics `system/<node>/...`; "
         "0 turns them off.",
     )
+
+    @property
+    def champion_higher_is_better(self) -> bool:
+        """Whether a higher `champion_metric` is a better model."""
+        if self.champion_goal != "auto":
+            return self.champion_goal == "max"
+        return not self.champion_metric.endswith(("loss", "bits_per_byte", "perplexity"))
 
 
 class RaylaneConfig(StrictModel):
@@ -153,20 +165,23 @@ class RaylaneConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_llama_support(self) -> RaylaneConfig:
-        """A llama trains where every worker holds whole blocks in lockstep; its tensor,
-        pipeline and context parallel plans do not exist yet."""
+        """A llama trains where every worker holds whole blocks in lockstep or splits them by
+        its tensor-parallel plan (`raylane.models.llama_plan`); its pipeline and context
+        parallel plans do not exist yet."""
         if self.model.kind != "llama":
             return self
         par, dims = self.parallelism, self.parallelism.dims
-        if dims.sync.kind != "all_reduce" or dims.tp_enabled or dims.pp_enabled or dims.cp_enabled:
+        if dims.sync.kind != "all_reduce" or dims.pp_enabled or dims.cp_enabled:
             raise ValueError(
-                f"model.kind 'llama' trains with strategy 'ddp' or 'fsdp' and tp, pp, cp 1 (got "
-                f"'{par.strategy}', tp {par.tp}, pp {par.pp}, cp {par.cp})"
+                f"model.kind 'llama' trains with strategy 'ddp' or 'fsdp' or 'tp' and pp, cp 1 "
+                f"(got '{par.strategy}', tp {par.tp}, pp {par.pp}, cp {par.cp})"
             )
         if self.data.source == "sklearn-digits":
             raise ValueError(
                 "model.kind 'llama' needs token data, not data.source 'sklearn-digits'"
             )
+        if dims.tp_enabled:
+            _check_llama_split(self.model, par.tp, par.sequence_parallel)
         return self
 
     @model_validator(mode="after")
@@ -264,3 +279,19 @@ class RaylaneConfig(StrictModel):
                     f"{DIGITS_CLASSES} classes"
                 )
         return self
+
+
+def _check_llama_split(model: ModelConfig, tp: int, sequence_parallel: bool) -> None:
+    """Each of `tp` workers holds whole query heads, whole key/value heads and an equal part of
+    the MLP; a vocabulary-split head cannot stay tied to the (whole) embedding."""
+    for field, width in model.llama_widths().items():
+        if width % tp:
+            raise ValueError(
+                f"model.{field} ({width}) is not divisible by parallelism.tp ({tp}): each "
+                "tensor-parallel worker holds an equal part of every block"
+            )
+    if sequence_parallel and model.llama_tied():
+        raise ValueError(
+            "parallelism.sequence_parallel splits the head over the vocabulary, which a llama "
+            "with tied embeddings (model.tie_embeddings) shares with its whole embedding"
+        )

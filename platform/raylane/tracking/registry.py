@@ -49,16 +49,26 @@ def version_score(client: MlflowClient, version, metric: str) -> float | None:
 
 
 def register_if_better(
-    client: MlflowClient, name: str, version: int, score: float, alias: str, metric: str
+    client: MlflowClient,
+    name: str,
+    version: int,
+    score: float,
+    alias: str,
+    metric: str,
+    higher_is_better: bool = True,
 ) -> PromotionDecision:
-    """Tag `version` with its score and give it `alias` if it beats the current holder.
+    """Tag `version` with its score and give it `alias` if it beats the current holder (a
+    higher score, or a lower one where lower is better).
 
     The first version becomes champion. Ties keep the current champion.
     """
     client.set_model_version_tag(name, str(version), metric, f"{score:.6f}")
     current = champion_version(client, name, alias)
     previous_score = None if current is None else version_score(client, current, metric)
-    promoted = current is None or previous_score is None or score > previous_score
+    if current is None or previous_score is None:
+        promoted = True
+    else:
+        promoted = score > previous_score if higher_is_better else score < previous_score
     if promoted:
         client.set_registered_model_alias(name, alias, str(version))
     return PromotionDecision(

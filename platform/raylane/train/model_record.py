@@ -73,6 +73,7 @@ def _log_and_register(final, cfg: RaylaneConfig, metrics: dict[str, float]):
         float(metrics[tracking.champion_metric]),
         tracking.champion_alias,
         tracking.champion_metric,
+        tracking.champion_higher_is_better,
     )
     promotion = decision.describe(tracking.registered_model, tracking.champion_alias)
     mlflow.set_tag("raylane.promotion", promotion)
