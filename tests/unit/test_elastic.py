@@ -145,3 +145,26 @@ def test_a_restart_takes_a_complete_checkpoint_ray_train_has_not_registered(tmp_
 
     progress.checkpointed(str(run / "epoch_0000_step_000015"), 15)  # recorded, since deleted
     assert RunProgress(str(progress.path)).newer_than_registered(10) is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "tolerated"),
+    [
+        ([], 0),
+        (["parallelism.workers={min: 1, max: 2}", "training.checkpoint_every_steps=5"], 3),
+        (["parallelism.workers={min: 1, max: 2}", "training.checkpoint_every_steps=5",
+          "training.max_failures=0"], 0),  # as configured
+        (["training.max_failures=-1"], -1),
+    ],
+)  # fmt: skip
+def test_an_elastic_range_survives_nodes_lost_without_notice_by_default(
+    tmp_path, overrides, tolerated
+):
+    from raylane.train.trainer import build_trainer
+
+    cfg = load_config(
+        ROOT / "configs" / "train" / "digits_ddp.yaml",
+        ["training.max_failures=null", f"training.storage_path={tmp_path}", *overrides],
+    )
+    trainer = build_trainer(cfg, {}, "failures")
+    assert trainer.run_config.failure_config.max_failures == tolerated

@@ -27,6 +27,10 @@ __all__ = [
 ]  # fmt: skip
 
 
+#: Failures an elastic run recovers from when `training.max_failures` is not set.
+ELASTIC_MAX_FAILURES = 3
+
+
 class TrainingConfig(StrictModel):
     epochs: int = Field(10, ge=1, description="Passes over the training data.")
     batch_size: int = Field(64, ge=1, description="Rows per step on each worker.")
@@ -89,12 +93,14 @@ class TrainingConfig(StrictModel):
         "per-epoch checkpoints only. Not local_sgd, async or ssp (their replicas differ "
         "inside an epoch).",
     )
-    max_failures: int = Field(
-        0,
+    max_failures: int | None = Field(
+        None,
         ge=-1,
         description="Worker-group failures to recover from by restarting from the last "
         "checkpoint (-1: unlimited). A node lost without notice is one; drained nodes "
-        "(preemptions with a notice) are not counted here.",
+        "(preemptions with a notice) are not counted here. Unset: "
+        f"{ELASTIC_MAX_FAILURES} for an elastic worker range (spot capacity, where nodes go "
+        "without notice too), 0 otherwise.",
     )
 
 
@@ -157,6 +163,13 @@ class RaylaneConfig(StrictModel):
     finetune: FinetuneConfig | None = Field(
         None, description="Start from a registered model and adapt it (`raylane finetune`)."
     )
+
+    @property
+    def failures_tolerated(self) -> int:
+        """`training.max_failures`, or its default for this layout (elastic or not)."""
+        if self.training.max_failures is not None:
+            return self.training.max_failures
+        return ELASTIC_MAX_FAILURES if self.parallelism.elastic else 0
 
     @model_validator(mode="after")
     def _check_parallel_layout(self) -> RaylaneConfig:

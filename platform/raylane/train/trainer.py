@@ -85,7 +85,7 @@ def build_trainer(
         run_config=RunConfig(
             name=run_name,
             storage_path=str(_run_dir(cfg, run_name).parent),
-            failure_config=FailureConfig(max_failures=cfg.training.max_failures),
+            failure_config=FailureConfig(max_failures=cfg.failures_tolerated),
             checkpoint_config=CheckpointConfig(num_to_keep=cfg.training.checkpoints_to_keep),
             callbacks=callbacks,
         ),
