@@ -23,12 +23,13 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from raylane.config import load_config
+from raylane.tracking.runs import OUTAGE
 from raylane.train.job import run_training
+from raylane.train.journal import JOURNAL_FILE, read_records
 
 from .conftest import REFERENCE, SECOND_NODE_RESOURCE, free_port
 
 EPOCHS = 12  # epochs go on ending after the server stops
-OUTAGE_S = 8  # many epochs' time
 EXPERIMENT = "digits-two-nodes"
 MODEL = "raylane-digits-server"
 
@@ -108,8 +109,8 @@ class SpreadRun:
 @pytest.fixture(scope="module")
 def spread_run(second_node, workspace, mlflow_server) -> SpreadRun:
     """The DDP job (2 workers, STRICT_SPREAD: one on each node) tracked over HTTP and
-    registered; the server stops once the first epoch is in, and starts again `OUTAGE_S`
-    later while training goes on."""
+    registered; the server stops once the first epoch is in, and starts again, while training
+    goes on, once the workers have ended an epoch and the driver has found the server away."""
     cfg = load_config(
         REFERENCE,
         [
@@ -137,6 +138,7 @@ def spread_run(second_node, workspace, mlflow_server) -> SpreadRun:
     raylane_log.addHandler(said)
     level, raylane_log.level = raylane_log.level, logging.INFO
     trainer = threading.Thread(target=train, daemon=True)
+    started_s = time.time()
     trainer.start()
     deadline = time.monotonic() + 300
     while not _epochs_logged(client, EXPERIMENT):
@@ -144,7 +146,14 @@ def spread_run(second_node, workspace, mlflow_server) -> SpreadRun:
         time.sleep(0.1)
     mlflow_server.stop()
     stopped_ms = _now_ms()
-    time.sleep(OUTAGE_S)
+    # Away until an epoch ended after the stop (rank 0's journal says when) and the driver
+    # said the server is unreachable: an order of events, not a time, however slowly a loaded
+    # machine's epochs go.
+    journal = _journal(Path(cfg.training.storage_path), started_s)
+    deadline = time.monotonic() + 300
+    while not (_ended_epoch_after(journal, stopped_ms) and OUTAGE in "\n".join(said.lines)):
+        assert trainer.is_alive() and time.monotonic() < deadline, f"no outage seen: {outcome}"
+        time.sleep(0.1)
     restarting_ms, training = _now_ms(), trainer.is_alive()
     mlflow_server.start()
     trainer.join(timeout=600)
@@ -168,6 +177,18 @@ class _Said(logging.Handler):
 
 def _now_ms() -> int:
     return int(time.time() * 1000)
+
+
+def _journal(runs: Path, since_s: float) -> Path:
+    """The journal of the one run started after `since_s` (by then it has logged an epoch)."""
+    (found,) = [path for path in runs.glob(f"*/{JOURNAL_FILE}") if path.stat().st_mtime > since_s]
+    return found
+
+
+def _ended_epoch_after(journal: Path, at_ms: int) -> bool:
+    records, _ = read_records(journal, 0)
+    # The epoch's metrics carry this time, in whole milliseconds.
+    return any(r["kind"] == "epoch" and int(r["time"] * 1000) > at_ms for r in records)
 
 
 def _epochs_logged(client: MlflowClient, experiment: str) -> bool:

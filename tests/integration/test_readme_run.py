@@ -168,13 +168,17 @@ class TestOnARunningCluster:
             return command.replace("<run>", run_dir)
 
         run = _ok(run_commands(PIPELINES, copy, env, timeout_s=1200, fill=fill), PIPELINES.where)
+        client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
         for command in run.commands:
-            assert "val_loss" in command.output, command.output
+            # Each command's last epoch line shows the validation loss its run recorded.
+            shown = re.findall(r"val_loss (\d+\.\d{4})", command.output)
+            run_id = re.search(r"MLflow run ([0-9a-f]{32})", command.output).group(1)
+            recorded = client.get_run(run_id).data.metrics["val_loss"]
+            assert shown and shown[-1] == f"{recorded:.4f}", (shown, recorded, command.output)
         resumed = run.commands[-1].output
         assert "epoch 2/2" in resumed and "epoch 1/2" not in resumed, resumed
         # Epoch 1 came from the stages' checkpoint parts; only epoch 2 was trained.
         run_id = re.search(r"MLflow run ([0-9a-f]{32})", resumed).group(1)
-        client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
         resumed_loss = client.get_metric_history(run_id, "train_loss")
         assert [m.step for m in resumed_loss] == [1]
         # It went on from the checkpoint's weights: below the first epoch's loss from scratch.
@@ -208,7 +212,9 @@ class TestOnARunningCluster:
             )
             assert found.data.params["parallelism.workers"] == str(workers)
             assert found.data.metrics["val_loss"] < math.log(256)  # better than a uniform guess
-            assert found.data.metrics["worker_param_mb"] > 0
+            config = copy / "configs" / "train" / f"{experiment.replace('-', '_')}.yaml"
+            held = _split_parameters(config)
+            assert found.data.metrics["worker_param_mb"] == pytest.approx(held * 4 / 2**20)
             # The summary table's row: "checkpoint │ <path>/epoch_NNNN".
             checkpoint = copy / re.findall(r"checkpoint[\s│]+(\S+epoch_\d{4})", command.output)[-1]
             assert (checkpoint / "sharded" / ".metadata").is_file(), checkpoint
@@ -245,7 +251,6 @@ class TestOnARunningCluster:
     def test_tune_block(self, on_cluster):
         copy, env, _ = on_cluster
         run = _ok(run_block(TUNE, copy, env, timeout_s=1200), TUNE.where)
-        assert "winner:" in run.output, run.output[-4000:]
         best = copy / "configs" / "generated" / "lm-parallelism-best.yaml"
         cfg = load_config(best)  # the winner is a valid, runnable training config
         assert cfg.training.steps_per_epoch is None  # a full run, not the trial's short epochs
@@ -255,6 +260,13 @@ class TestOnARunningCluster:
         assert cfg.parallelism.strategy == winner["strategy"], (cfg.parallelism, winner)
         assert cfg.parallelism.workers == int(winner["workers"]), (cfg.parallelism, winner)
         assert winner["status"] == "ok" and float(winner["samples_per_s"]) > 0
+        # The console names that layout, its throughput and the config written for it.
+        said = re.search(
+            r"winner: (\S+) at (\d+\.\d) samples/s -> \S*lm-parallelism-best\.yaml",
+            " ".join(run.output.split()),
+        )
+        assert said, run.output[-4000:]
+        assert said[1] == winner["layout"] and said[2] == f"{float(winner['samples_per_s']):.1f}"
         # The winner learned in its few trial steps: well below a uniform guess over 256 bytes.
         assert float(winner["train_loss"]) < 0.8 * math.log(256), winner
         # One line per trial event, not Tune's status tables with every trial's config.
@@ -387,6 +399,23 @@ class TestOnARunningCluster:
         assert short.params["finetune.target_modules"] == "['q', 'k', 'v', 'proj']"
 
 
+def _split_parameters(config: Path) -> int:
+    """Parameters one of 2 workers holds of the GPT of `config` (lm_tp.yaml or lm_fsdp.yaml):
+    FSDP half of every one (all of even length); tensor parallelism without sequence
+    parallelism half of each block's q, k, v and MLP first linear (weight and bias) and of the
+    attention output's and MLP second linear's weights, the rest (embeddings, norms, those
+    two biases, the head) whole."""
+    from raylane.models import build_model
+
+    cfg = load_config(config)
+    sizes = {name: p.numel() for name, p in build_model(cfg.model).named_parameters()}
+    if cfg.parallelism.strategy == "fsdp":
+        return sum(sizes.values()) // 2
+    assert cfg.parallelism.strategy == "tp" and not cfg.parallelism.sequence_parallel
+    split = ("attn.q.", "attn.k.", "attn.v.", "mlp.0.", "attn.proj.weight", "mlp.2.weight")
+    return sum(n // 2 if any(part in name for part in split) else n for name, n in sizes.items())
+
+
 def test_plan_block(readme):
     copy, env, _ = readme
     run = _ok(run_block(PLAN, copy, env, timeout_s=300), PLAN.where)
@@ -480,7 +509,10 @@ def test_serve_run_block(readme):
     try:
         server.wait_until_ready(f"{ENDPOINT}/v2/health/ready", timeout_s=300)
         model = _get_json(f"{ENDPOINT}/v2/models/digits")
-        assert model["name"] == "digits" and model["versions"], model
+        # serving/config.yaml serves digits_ddp.yaml's registered model at its champion alias.
+        client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
+        champion = client.get_model_version_by_alias("raylane-digits", "champion")
+        assert model["name"] == "digits" and model["versions"] == [str(champion.version)], model
     finally:
         server.interrupt()
         _ray_stop(copy, env)

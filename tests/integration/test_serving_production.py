@@ -229,11 +229,11 @@ def test_over_limit_requests_get_a_fast_503_with_retry_after(endpoint):
     assert set(result.statuses) <= {200, 503}, result.statuses
     assert result.statuses[503] > 0 and result.statuses[200] > 0, result.statuses
     assert result.headers_by_status[503]["retry-after"] == "2"
-    rejected = sorted(result.latencies_for(503))
-    answered = sorted(result.latencies_for(200))
-    # A rejection is immediate: far quicker than an answered request waiting its turn.
-    assert rejected[len(rejected) // 2] < 0.5
-    assert rejected[len(rejected) // 2] < answered[len(answered) // 2]
+    # At most (8 ongoing + 16 queued) per replica, 2 replicas at most, of the 96 clients are
+    # let in at a time: the other 48 or more keep being refused. A refusal does not wait its
+    # turn (each one sends its next request at once), so refusals outnumber answers; were
+    # they queued as long as answers, they could not (at most 48 refused against 48 answered).
+    assert result.statuses[503] > result.statuses[200], result.statuses
     assert httpx.post(f"{endpoint}{INFER}", json=ROW, headers=AUTH).status_code == 200
     assert httpx.get(f"{endpoint}/v2/health/ready").status_code == 200
 
@@ -271,8 +271,13 @@ def test_scales_up_under_load_replaces_a_killed_replica_and_scales_down(
         _wait_for(replaced, "replacing the killed replica")
         time.sleep(3)
     result = load.result
-    after_kill = [status for end, status, _ in result.events if end > killed_at + 2.0]
-    assert after_kill and set(after_kill) == {200}, set(after_kill)
+    # Whatever failed, failed from the kill on: everything before it was answered.
+    before = [status for end, status, _ in result.events if end < killed_at]
+    assert before and set(before) == {200}, result.statuses
+    # And it recovered: requests sent after the last failed one ended were answered.
+    failed_ends = [end for end, status, _ in result.events if status != 200]
+    last_failure = max(failed_ends, default=killed_at)
+    assert any(end - latency > last_failure for end, _, latency in result.events), last_failure
     # Only requests on the killed replica may fail: with the HAProxy ingress each replica holds
     # its own queue, so that is at most max_ongoing_requests + max_queued_requests (8 + 16).
     # They fail as a dropped connection or as HAProxy's own 500 for a request whose server
@@ -304,19 +309,24 @@ def test_upgrade_and_rollback_under_load_fail_no_request(
         )
         assert promoted.returncode == 0, promoted.stderr
         assert f"now serves v{new}" in promoted.stderr, promoted.stderr
+        promoted_at = time.monotonic()
         assert _served_version(endpoint) == new
         new_logits = _logits(endpoint)  # the other weights answer, not only another label
         assert max(abs(a - b) for a, b in zip(new_logits, old_logits, strict=True)) > 1e-3
         time.sleep(2)
         _, served = deploy(load_config(REFERENCE, [*overrides, f"serving.model_version={old}"]))
         assert served == old
+        rolled_back_at = time.monotonic()
         time.sleep(2)
     result = load.result
-    assert result.statuses[200] > 100
     assert not result.failures and set(result.statuses) == {200}, (
         result.statuses,
         result.failures[:3],
     )
+    # Answered before the upgrade, between it and the rollback, and after the rollback.
+    ends = [end for end, _, _ in result.events]
+    assert min(ends) < promoted_at < rolled_back_at < max(ends)
+    assert any(promoted_at < end < rolled_back_at for end in ends)
     assert _served_version(endpoint) == old
     assert _logits(endpoint) == pytest.approx(old_logits, abs=1e-5)
 

@@ -7,6 +7,7 @@ served pipeline model answers over HTTP in test_pipeline_jobs.py)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import mlflow
@@ -136,7 +137,10 @@ def test_3d_checkpoint_holds_each_stages_assembled_part_and_its_shards(layout_ru
     # Sharded too: a file per worker holding shards no other wrote (dp replicas' copies once).
     # Resuming from such a checkpoint is the tp-sp case below (the same DCP load per stage).
     assert (checkpoint / "sharded" / ".metadata").is_file()
-    assert len(list((checkpoint / "sharded").glob("*.distcp"))) in {4, 5, 6, 7, 8}
+    # torch DCP's file system writer: one file per rank (`__<rank>_0.distcp`), each with shards
+    # no other rank wrote (a tensor the dp replicas share goes to one of them).
+    files = sorted(p.name for p in (checkpoint / "sharded").glob("*.distcp"))
+    assert files == sorted(f"__{rank}_0.distcp" for rank in range(WORKERS["3d"]))
 
 
 def test_sharded_layouts_record_what_each_worker_holds(layout_runs, one_worker):
@@ -150,9 +154,31 @@ def test_sharded_layouts_record_what_each_worker_holds(layout_runs, one_worker):
     fsdp = metrics["fsdp"]
     assert fsdp["worker_grad_mb"] == pytest.approx(fsdp["worker_param_mb"])
     assert fsdp["worker_optimizer_state_mb"] == pytest.approx(2 * fsdp["worker_param_mb"], rel=0.01)
-    # Tensor parallel: the blocks' linear layers (most of the model) are split in two.
+    # Exactly half of every parameter (each one's first dimension is even).
+    params = _parameter_shapes()
+    whole_mb = sum(math.prod(shape) for shape in params.values()) * 4 / 2**20
+    assert fsdp["worker_param_mb"] == pytest.approx(whole_mb / 2, rel=1e-9)
+    # Tensor parallel with sequence parallelism (`raylane.models.gpt_plan`): q, k, v and the
+    # MLP's first linear column-wise (weight and bias), the attention output and the MLP's
+    # second linear row-wise (weight; the bias replicated) and the head over the vocabulary
+    # are split in two; embeddings and norms stay whole.
+    split = ("attn.q.", "attn.k.", "attn.v.", "mlp.0.", "head.", "attn.proj.weight",
+             "mlp.2.weight")  # fmt: skip
+    held = sum(
+        math.prod(shape) // (2 if any(part in name for part in split) else 1)
+        for name, shape in params.items()
+    )
     tp = metrics["tp-sp"]
-    assert tp["worker_param_mb"] < 0.75 * 2 * fsdp["worker_param_mb"]
+    assert tp["worker_param_mb"] == pytest.approx(held * 4 / 2**20, rel=1e-9)
+    assert tp["worker_grad_mb"] == pytest.approx(tp["worker_param_mb"], rel=1e-9)
+
+
+def _parameter_shapes() -> dict[str, tuple[int, ...]]:
+    """The plain model's parameters (fp32) of the layouts' config."""
+    from raylane.models import build_model
+
+    model = load_config(ROOT / "configs" / "train" / "lm_pipeline.yaml").model
+    return {name: tuple(p.shape) for name, p in build_model(model).named_parameters()}
 
 
 @pytest.mark.parametrize(("name", "files"), [("tp-sp", {2})])

@@ -16,7 +16,7 @@ from mlflow.tracking import MlflowClient
 
 from raylane.config import load_config
 
-from .conftest import REFERENCE
+from .conftest import REFERENCE, ROOT
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,13 @@ def test_run_records_params_config_cluster_and_dataset(trained, client):
         "compile": False,
     }
     assert run.data.params["training.compile"] == "False"  # recorded with the run
-    assert "git_commit" in snapshot["code"] and "git_dirty" in snapshot["code"]
+    # The checkout the driver ran from (this repository): its commit, and whether tracked
+    # files differ from it (the diff then a run artifact of its own, not in the snapshot).
+    head = _git("rev-parse", "HEAD").strip()
+    dirty = bool(_git("status", "--porcelain", "--untracked-files=no").strip())
+    assert snapshot["code"] == {"git_commit": head, "git_dirty": dirty, "git_source": "checkout"}
+    assert len(head) == 40 and run.data.tags["mlflow.source.git.commit"] == head
+    assert run.data.tags["raylane.git_dirty"] == str(dirty)
 
     inputs = run.inputs.dataset_inputs
     contexts = {
@@ -81,6 +87,12 @@ def test_run_records_params_config_cluster_and_dataset(trained, client):
     assert set(contexts) == {"training", "validation"}
     assert all(len(d.digest) == 16 for d in contexts.values())
     assert run.data.tags["raylane.dataset_digest"] != contexts["training"].digest
+
+
+def _git(*args: str) -> str:
+    return subprocess.run(
+        ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=30, check=True
+    ).stdout
 
 
 def test_checkpoint_per_epoch_holds_model_optimizer_and_epoch(trained):
@@ -188,12 +200,22 @@ def test_worker_output_and_node_system_metrics_are_kept_with_the_run(trained, cl
     placement = json.loads(
         Path(client.download_artifacts(outcome.run_id, "parallel/placement.json")).read_text()
     )
+    # Sampled every second (tracking.system_metrics_interval_s=1) while the run ran: a sample
+    # holds both metrics under one step, the steps count on one by one, and however slowly a
+    # loaded machine samples, there is at most one sample a second of the run.
+    run = client.get_run(outcome.run_id)
+    run_s = (run.info.end_time - run.info.start_time) / 1000
     for node in {rank["node"] for rank in placement["ranks"]}:
         history = client.get_metric_history(
             outcome.run_id, f"system/{node}/cpu_utilization_percentage"
         )
-        assert len(history) >= 2 and all(0 <= m.value <= 100 for m in history), history
+        assert all(0 <= m.value <= 100 for m in history), history
         memory = client.get_metric_history(
             outcome.run_id, f"system/{node}/system_memory_usage_megabytes"
         )
-        assert memory and all(m.value > 100 for m in memory)
+        assert all(m.value > 100 for m in memory), memory
+        assert 1 <= len(history) <= run_s + 1, (len(history), run_s)
+        steps = sorted(m.step for m in history)
+        assert steps == list(range(steps[0], steps[0] + len(steps))), steps
+        assert steps == sorted(m.step for m in memory), (steps, memory)
+        assert all(m.timestamp >= run.info.start_time for m in history), history

@@ -85,26 +85,41 @@ def test_only_the_top_k_predicted_are_measured_and_predictions_sit_next_to_measu
 ):
     spec, result, logged = search
     outcome = result.outcome
-    launched = [t.predicted.samples_per_s for t in outcome.trials]
-    skipped = [t.predicted.samples_per_s for t in outcome.not_run]
-    assert len(launched) == 2 and len(skipped) == 6
+    # Ranked on the profile's own predictions (calibration adds a measured wait per step,
+    # which may reorder layouts of different batch sizes afterwards).
+    raw = outcome.raw_predictions
+    launched = [raw[t.candidate.key].samples_per_s for t in outcome.trials]
+    skipped = [raw[t.candidate.key].samples_per_s for t in outcome.not_run]
+    assert len(launched) == 2 and len(skipped) == 6 and len(raw) == 8
     assert min(launched) >= max(skipped)  # the measured ones were predicted fastest
     assert {t.status for t in outcome.not_run} == {"not run"}
     batch = {t.candidate.overrides["training.batch_size"] for t in outcome.trials}
     assert len(batch) == 1  # both measured trials share the predicted-faster batch size
 
-    # The one trial that ran calibrates the rest; its prediction then equals its measurement.
+    # The one trial that ran calibrates the rest: its measured step work (the step less its
+    # wait for input) over the profile's predicted step, and that wait, per step.
     (ok,) = [t for t in outcome.trials if t.status == "ok"]
-    assert outcome.calibration is not None and outcome.calibration.layouts == (ok.candidate.key,)
-    assert ok.step_ms > 0 and ok.predicted.step_ms == pytest.approx(ok.step_ms)
-    assert 0.2 < outcome.calibration.step_scale < 5  # the profile is the right magnitude
+    calibration = outcome.calibration
+    assert calibration is not None and calibration.layouts == (ok.candidate.key,)
+    wait_ms = min(ok.data_wait_ms or 0.0, ok.step_ms)
+    measured_raw = raw[ok.candidate.key]
+    assert calibration.step_scale == pytest.approx((ok.step_ms - wait_ms) / measured_raw.step_ms)
+    assert calibration.data_wait_s == pytest.approx(wait_ms / 1000)
+    # Every other layout's prediction is the profile's, calibrated by that one trial.
+    for trial in [*outcome.not_run, *(t for t in outcome.trials if t is not ok)]:
+        assert trial.predicted == calibration.apply(raw[trial.candidate.key]), trial.candidate.key
+    # The crashed layout differs only in its checkpoint: the profile predicts it as the one
+    # measured, so, calibrated, it is predicted at that trial's measured step.
+    (crashed,) = [t for t in outcome.trials if t.status == "failed"]
+    assert raw[crashed.candidate.key] == measured_raw, crashed.candidate.key
+    assert crashed.predicted.step_ms == pytest.approx(ok.step_ms)
 
     # The profile is a run of its own, found again by its key: the session's, reused, not
     # measured again.
     assert outcome.profile_run_id == lm_profile.run_id
     assert f"profile reused (MLflow run {lm_profile.run_id}," in " ".join(logged)
     profile = MlflowClient(tracking_uri=workspace.tracking_uri).get_run(outcome.profile_run_id)
-    assert profile.data.metrics["block_flops_per_s"] > 1e8
+    assert profile.data.metrics["block_flops_per_s"] == lm_profile.profile["block_flops_per_s"]
     assert outcome.profile_s > 0
 
 
@@ -113,13 +128,20 @@ def test_outputs_csv_plot_and_nested_mlflow_runs(search, workspace):
     with result.csv_path.open() as handle:
         table = list(csv.DictReader(handle))
     assert {row["status"] for row in table} >= {"ok", "failed", "pruned", "not run"}
-    assert all(float(row["predicted_step_ms"]) > 0 for row in table if row["status"] != "pruned")
+    # Each layout's row holds its (calibrated) prediction, as the search returned it.
+    predicted = {t.candidate.key: t.predicted for t in [*result.outcome.trials,
+                                                        *result.outcome.not_run]}  # fmt: skip
+    shown = {row["layout"]: float(row["predicted_step_ms"])
+             for row in table if row["status"] != "pruned"}  # fmt: skip
+    assert shown == {key: round(p.step_ms, 2) for key, p in predicted.items()}
     assert table[0]["layout"] == result.outcome.winner.candidate.key
     assert result.plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     client = MlflowClient(tracking_uri=workspace.tracking_uri)
     parent = client.get_run(result.mlflow_run_id)
     assert parent.data.tags["raylane.winner"] == result.outcome.winner.candidate.key
+    scale = result.outcome.calibration.step_scale
+    assert parent.data.metrics["prediction_step_scale"] == pytest.approx(scale, rel=1e-12)
     artifacts = {a.path for a in client.list_artifacts(result.mlflow_run_id)}
     assert {result.csv_path.name, result.plot_path.name, result.best_config.name} <= artifacts
     children = client.search_runs(
@@ -127,7 +149,12 @@ def test_outputs_csv_plot_and_nested_mlflow_runs(search, workspace):
         filter_string=f"tags.mlflow.parentRunId = '{result.mlflow_run_id}'",
     )
     assert len(children) == 8  # two measured, six predicted only
-    ok = [c for c in children if c.data.tags["raylane.trial_status"] == "ok"]
-    assert all(c.data.metrics["samples_per_s"] > 0 for c in ok)
-    assert all(c.data.metrics["predicted_step_ms"] > 0 for c in children)
+    by_layout = {c.info.run_name: c for c in children}
+    (ok,) = [c for c in children if c.data.tags["raylane.trial_status"] == "ok"]
+    winner = result.outcome.winner
+    assert ok.info.run_name == winner.candidate.key
+    assert ok.data.metrics["samples_per_s"] == pytest.approx(winner.samples_per_s, rel=1e-12)
+    assert {name: c.data.metrics["predicted_step_ms"] for name, c in by_layout.items()} == (
+        pytest.approx({key: p.step_ms for key, p in predicted.items()}, rel=1e-12)
+    )
     assert all("parallelism.workers" in c.data.params for c in children)
