@@ -57,7 +57,13 @@ def apply_tensor_parallel(
         return model
     # The model's class names its plan module (`GPT.tp_plan`), imported only here: a plan
     # imports DTensor (about 0.5 s per worker) that other layouts never need.
-    plan = importlib.import_module(model.tp_plan)
+    where = getattr(model, "tp_plan", None)
+    if where is None:
+        raise ValueError(
+            f"{type(model).__name__} names no tensor-parallel plan (a `tp_plan` module like "
+            "raylane.models.gpt_plan): it cannot be split over tp workers"
+        )
+    plan = importlib.import_module(where)
     blocks = list(model.blocks.values())
     ends = sequence_parallel and vocabulary_loss and model.head is not None
     for index, block in enumerate(blocks):

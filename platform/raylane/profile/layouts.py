@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 
 from raylane.config.dims import ParallelDims
 from raylane.models import build_model
-from raylane.models.gpt import Block
+from raylane.models.gpt import GPT, Block
 from raylane.models.losses import cross_entropy
 from raylane.models.optim import build_optimizer
 from raylane.parallel.device import StreamClock
@@ -73,6 +73,8 @@ def _wrapped_block(cfg, mesh: ParallelMesh, device):
     from torch import nn
 
     class OneBlock(nn.Module):
+        tp_plan = GPT.tp_plan  # the GPT's block, split by the GPT's plan
+
         def __init__(self):
             super().__init__()
             self.blocks = nn.ModuleDict({"0": Block(cfg.model.d_model, cfg.model.n_heads)})
