@@ -30,6 +30,7 @@ from raylane.generation.speculative import (
     DraftProposer,
     Speculator,
     check_draft,
+    draft_mismatch,
     propose_ngram,
 )
 from raylane.models.kv_cache import ints_on, placement
@@ -38,6 +39,7 @@ __all__ = [
     "Event",
     "GenerationEngine",
     "Sequence",
+    "draft_mismatch",
     "generate_without_cache",
     "propose_ngram",
 ]
