@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.readme_blocks import ROOT
-
+ROOT = Path(__file__).resolve().parents[2]
 CHECKPOINT = ROOT / "checkpoints" / "tiny-llama"
 
 

@@ -8,8 +8,7 @@ from typing import get_args
 from raylane.config.parallelism import Strategy
 from raylane.config.presets import PRESETS
 
-from .test_config import ROOT
-
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "platform" / "raylane"
 NAMES = set(get_args(Strategy))
 

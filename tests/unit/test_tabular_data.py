@@ -19,8 +19,7 @@ from raylane.data import DataError, ensure_dataset
 from raylane.data.files import prepare_files, stale_sources
 from raylane.data.parquet import read_rows
 
-from .test_config import ROOT
-
+ROOT = Path(__file__).resolve().parents[2]
 DIGITS = ROOT / "configs" / "train" / "digits_ddp.yaml"
 LM = ROOT / "configs" / "train" / "lm_pipeline.yaml"
 ROWS = 200
