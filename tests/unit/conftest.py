@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.readme_blocks import ROOT
+
 CHECKPOINT = ROOT / "checkpoints" / "tiny-llama"
 
 

@@ -4,7 +4,6 @@
 import subprocess
 import sys
 from importlib.metadata import version
-from pathlib import Path
 
 import pytest
 import typer
@@ -15,8 +14,8 @@ from raylane.cli import app
 from raylane.config import load_config
 from raylane.tune.spec import load_spec
 
-ROOT = Path(__file__).resolve().parents[2]
-REFERENCE = ROOT / "configs" / "train" / "digits_ddp.yaml"
+from .test_config import REFERENCE, ROOT
+
 SEARCH_SPEC = ROOT / "configs" / "tune" / "parallelism.yaml"
 
 

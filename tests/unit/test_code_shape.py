@@ -8,7 +8,8 @@ from typing import get_args
 from raylane.config.parallelism import Strategy
 from raylane.config.presets import PRESETS
 
-ROOT = Path(__file__).resolve().parents[2]
+from .test_config import ROOT
+
 PACKAGE = ROOT / "platform" / "raylane"
 NAMES = set(get_args(Strategy))
 

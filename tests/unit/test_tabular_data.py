@@ -19,7 +19,8 @@ from raylane.data import DataError, ensure_dataset
 from raylane.data.files import prepare_files, stale_sources
 from raylane.data.parquet import read_rows
 
-ROOT = Path(__file__).resolve().parents[2]
+from .test_config import ROOT
+
 DIGITS = ROOT / "configs" / "train" / "digits_ddp.yaml"
 LM = ROOT / "configs" / "train" / "lm_pipeline.yaml"
 ROWS = 200

@@ -223,6 +223,13 @@ def _rows(*rows) -> str:
 
 
 GOOD_ROW = {"text": "a fine row " * 20}
+
+
+def _small_bpe():
+    """A 400-token BPE trained on the first 2,000 characters of a few stdlib modules."""
+    return train_bpe([(STDLIB / name).read_text()[:2000] for name in MODULES], 400)
+
+
 BAD_INPUTS = [
     ("rows.jsonl", _rows(GOOD_ROW, '{"text": "cut'), ":2: not valid JSON (Unterminated string"),
     ("rows.jsonl", _rows({"title": "x", "body": "y"}),
@@ -451,7 +458,7 @@ def _chatml_tokenizer(tmp_path: Path):
     tokenizer.json whose tokenizer_config.json names `<|im_end|>` the eos token."""
     given = tmp_path / "tok"
     given.mkdir()
-    hf = train_bpe([(STDLIB / name).read_text()[:2000] for name in MODULES], 400).hf
+    hf = _small_bpe().hf
     hf.add_special_tokens(["<|im_start|>", "<|im_end|>"])
     hf.save(str(given / "tokenizer.json"))
     (given / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
@@ -488,7 +495,7 @@ def test_special_token_text_in_a_message_is_ordinary_text(tmp_path):
 def test_end_of_text_in_a_document_does_not_end_it(tmp_path):
     from raylane.data.corpus import jsonl_documents, text_document
 
-    tokenizer = train_bpe([(STDLIB / name).read_text()[:2000] for name in MODULES], 400)
+    tokenizer = _small_bpe()
     (tmp_path / "doc.txt").write_text(f"before {END_OF_TEXT} after\n")
     rows = tmp_path / "rows.jsonl"
     rows.write_text(

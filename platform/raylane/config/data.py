@@ -11,8 +11,8 @@ from pydantic import Field, model_validator
 from raylane.config.strict import StrictModel
 
 #: The formats of source 'files' that are tables, and the suffixes 'auto' reads as each.
-TABLE_FORMATS = ("csv", "parquet")
 TABLE_SUFFIXES = {".csv": "csv", ".parquet": "parquet"}
+TABLE_FORMATS = tuple(TABLE_SUFFIXES.values())
 
 
 class BpeTraining(StrictModel):

@@ -127,11 +127,12 @@ def _check_preset(par: ParallelismConfig) -> None:
     if pp_most is not None and par.pp > pp_most:
         raise ValueError(
             f"parallelism: {name} has no pipeline stages; pp must be 1 (got {par.pp}); "
-            f"stages run with strategy {listed(names('pp'))}"
+            f"stages run with strategy {listed(names('takes_stages'))}"
         )
     if tp_most is not None and par.tp > tp_most:
         raise ValueError(
-            f"parallelism.tp {par.tp} needs strategy {listed(names('tp'))} (got '{par.strategy}')"
+            f"parallelism.tp {par.tp} needs strategy {listed(names('takes_tp'))} (got "
+            f"'{par.strategy}')"
         )
     if par.tp < tp_least:
         raise ValueError(f"parallelism: {name} needs tp >= {tp_least} (got {par.tp})")

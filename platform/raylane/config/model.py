@@ -119,11 +119,15 @@ class ModelConfig(StrictModel):
             )
         return self
 
+    def pretrained_config(self) -> dict:
+        """The `pretrained` checkpoint's config.json (a few hundred bytes)."""
+        return json.loads((self.pretrained / "config.json").read_text())
+
     def llama_widths(self) -> dict[str, int]:
         """llama: the widths a tensor-parallel split divides, by field name (n_heads, n_kv_heads,
         ffn_dim with its default), read from the checkpoint's config.json when `pretrained`."""
         if self.pretrained is not None:
-            raw = json.loads((self.pretrained / "config.json").read_text())
+            raw = self.pretrained_config()
             heads = raw.get("num_attention_heads", 0)
             kv_heads = raw.get("num_key_value_heads") or heads
             return {
@@ -141,8 +145,7 @@ class ModelConfig(StrictModel):
     def llama_tied(self) -> bool:
         """llama: whether the head is the embedding matrix (the checkpoint's when `pretrained`)."""
         if self.pretrained is not None:
-            raw = json.loads((self.pretrained / "config.json").read_text())
-            return bool(raw.get("tie_word_embeddings", False))
+            return bool(self.pretrained_config().get("tie_word_embeddings", False))
         return self.tie_embeddings
 
     def _check_pretrained(self, directory: Path) -> ModelConfig:
@@ -151,7 +154,7 @@ class ModelConfig(StrictModel):
         path = directory / "config.json"
         if not path.is_file():
             raise ValueError(f"model.pretrained: {path} not found (a Hugging Face model directory)")
-        raw = json.loads(path.read_text())
+        raw = self.pretrained_config()
         vocab, context = raw.get("vocab_size"), raw.get("max_position_embeddings")
         if self.num_classes != vocab:
             raise ValueError(

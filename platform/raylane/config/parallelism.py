@@ -42,6 +42,11 @@ class StragglerConfig(StrictModel):
 Strategy = Literal["ddp", "pipeline", "hybrid", "tp", "fsdp", "local_sgd", "async", "ssp"]
 
 
+Compression = Literal["none", "fp16", "bf16", "powersgd", "topk"]
+#: Defaults shared by the named fields and a layout's `sync:` section.
+LOCAL_SGD_PERIOD, STALENESS, PS_SHARDS = 4, 2, 2
+
+
 class SyncConfig(StrictModel):
     """How the data-parallel workers agree, for a layout given by its degrees."""
 
@@ -52,21 +57,25 @@ class SyncConfig(StrictModel):
         "'parameter_server': updates pushed to parameter-server actors (`staleness` bounds how "
         "far a worker runs ahead; unset: unbounded).",
     )
-    compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = Field(
+    compression: Compression = Field(
         "none", description="all_reduce: the gradient compression (see `grad_compression`)."
     )
-    period: int = Field(4, ge=1, description="periodic_average: steps between averages.")
+    period: int = Field(
+        LOCAL_SGD_PERIOD, ge=1, description="periodic_average: steps between averages."
+    )
     staleness: int | None = Field(
         None, ge=0, description="parameter_server: most steps ahead of the slowest worker."
     )
-    shards: int = Field(2, ge=1, description="parameter_server: actors the model is split over.")
+    shards: int = Field(
+        PS_SHARDS, ge=1, description="parameter_server: actors the model is split over."
+    )
 
     def as_fields(self) -> dict:
         """The `parallelism:` fields this sync sets."""
         return {
             "grad_compression": self.compression,
             "local_sgd_period": self.period,
-            "staleness": 2 if self.staleness is None else self.staleness,
+            "staleness": STALENESS if self.staleness is None else self.staleness,
             "ps_shards": self.shards,
         }
 
@@ -179,7 +188,7 @@ class ParallelismConfig(StrictModel):
         "pipeline the head is split over the vocabulary (torch's loss_parallel), so what "
         "blocks and head keep for backward shrinks by about tp (tp, fsdp x tp, 3D).",
     )
-    grad_compression: Literal["none", "fp16", "bf16", "powersgd", "topk"] = Field(
+    grad_compression: Compression = Field(
         "none",
         description="Compression of the gradients replicas all-reduce: 'fp16'/'bf16' "
         "halve the all-reduced bytes ('bf16' on NCCL only), 'powersgd' sends a rank-1 "
@@ -191,17 +200,19 @@ class ParallelismConfig(StrictModel):
         0.01, gt=0, le=0.5, description="Share of gradient entries 'topk' compression sends."
     )
     local_sgd_period: int = Field(
-        4, ge=1, description="'local_sgd': steps between parameter averages (H)."
+        LOCAL_SGD_PERIOD, ge=1, description="'local_sgd': steps between parameter averages (H)."
     )
     staleness: int = Field(
-        2, ge=0, description="'ssp': most steps a worker may run ahead of the slowest."
+        STALENESS, ge=0, description="'ssp': most steps a worker may run ahead of the slowest."
     )
     staleness_lr: bool = Field(
         False,
         description="'async'/'ssp': divide an update's learning rate by its staleness.",
     )
     ps_shards: int = Field(
-        2, ge=1, description="'async'/'ssp': parameter-server actors the model is split over."
+        PS_SHARDS,
+        ge=1,
+        description="'async'/'ssp': parameter-server actors the model is split over.",
     )
     straggler: StragglerConfig | None = Field(
         None,
@@ -274,10 +285,10 @@ def resolve_degrees(data: dict) -> dict:
         return {}  # the `sync` field's own validation names the problem, where it is
     pp, tp, cp = (int(data.get(k, 1)) for k in ("pp", "tp", "cp"))
     shard = int(data.get("dp_shard") or 1)
-    workers = data.get("workers", pp * tp * cp * shard)
+    split = pp * tp * cp * shard
+    workers = data.get("workers", split)
     if isinstance(workers, dict):  # an elastic range: its largest size
         workers = workers.get("max", 1)
-    split = pp * tp * cp * shard
     if int(workers) % split:
         raise ValueError(
             f"workers ({workers}) is not divisible by dp_shard * pp * tp * cp ({split})"

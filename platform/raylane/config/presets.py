@@ -41,6 +41,21 @@ class Preset:
     #: Said after an error about this name's degrees.
     hint: str = ""
 
+    @property
+    def needs_stages(self) -> bool:
+        """Every layout of this name has pipeline stages (pp >= 2)."""
+        return self.pp[0] > 1
+
+    @property
+    def takes_stages(self) -> bool:
+        """Layouts of this name may have pipeline stages."""
+        return self.pp[1] is None
+
+    @property
+    def takes_tp(self) -> bool:
+        """Layouts of this name may split blocks over tensor-parallel workers."""
+        return self.tp[1] is None
+
 
 PRESETS: dict[str, Preset] = {
     "ddp": Preset(cp=True, compression=True, elastic=True),
@@ -55,10 +70,8 @@ PRESETS: dict[str, Preset] = {
 
 
 def names(flag: str) -> list[str]:
-    """The strategy names whose preset sets `flag` (a truthy field, or 'stages' / 'tp' for
-    names that take pp > 1 / tp > 1), quoted, for error messages."""
-    if flag in ("pp", "tp"):
-        return [f"'{n}'" for n, p in PRESETS.items() if getattr(p, flag)[1] is None]
+    """The strategy names whose preset sets `flag` (a truthy field or property: 'cp',
+    'takes_stages', 'takes_tp' ...), quoted, for error messages."""
     return [f"'{n}'" for n, p in PRESETS.items() if getattr(p, flag)]
 
 

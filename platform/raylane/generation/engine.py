@@ -30,7 +30,6 @@ from raylane.generation.speculative import (
     DraftProposer,
     Speculator,
     check_draft,
-    draft_mismatch,
     propose_ngram,
 )
 from raylane.models.kv_cache import ints_on, placement
@@ -39,7 +38,6 @@ __all__ = [
     "Event",
     "GenerationEngine",
     "Sequence",
-    "draft_mismatch",
     "generate_without_cache",
     "propose_ngram",
 ]

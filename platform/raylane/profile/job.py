@@ -12,7 +12,6 @@ from typing import Any
 
 from raylane.config import RaylaneConfig
 from raylane.plan.hardware import Accelerator, Cluster, ClusterSpec
-from raylane.profile.worker import profile_worker
 from raylane.tracking.cluster import describe_nodes, package_versions
 from raylane.train.trainer import prompt_health_checks
 
@@ -61,6 +60,9 @@ def measure(cfg: RaylaneConfig, levels: list[int]) -> dict[str, Any]:
     config's workers reserve."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
+
+    # lazy: torch; a stored profile is reused without it
+    from raylane.profile.worker import profile_worker
 
     prompt_health_checks()
     par = cfg.parallelism

@@ -14,6 +14,7 @@ from raylane.config import RaylaneConfig, load_config
 from raylane.config.model_uri import parse_model_uri
 from raylane.console import long_step
 from raylane.serving import APP_NAME
+from raylane.serving.deployments import InferenceServer
 from raylane.serving.errors import ServedModelError
 from raylane.serving.guard import key_digest, load_api_key
 from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
@@ -51,8 +52,6 @@ def build_app(cfg: RaylaneConfig, tracking_uri: str, version: int, api_key: str 
         )  # fmt: skip
         placement |= {"dtype": serving.dtype, "cuda_graphs": serving.cuda_graphs}
     else:
-        from raylane.serving.deployments import InferenceServer  # torch, as above
-
         deployment, target = InferenceServer, serving.max_batch_size
         args = (*common, serving.max_batch_size, serving.batch_wait_timeout_s, *guard)
     return deployment.options(

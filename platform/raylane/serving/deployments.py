@@ -11,15 +11,12 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
-import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 
 import raylane
-from raylane.generation.placement import serving_device
-from raylane.inference import Predictor
 from raylane.serving.binary_tensors import HEADER_LENGTH
 from raylane.serving.guard import GuardSettings, RequestGuard
 from raylane.serving.infer_route import InferRoute, InferTarget
@@ -121,6 +118,12 @@ class InferenceServer:
         torch_threads: int = 1,
         replica_gpus: float = 0.0,
     ):
+        # lazy: torch; the deploying process builds the app without loading it
+        import torch
+
+        from raylane.generation.placement import serving_device  # lazy: torch, as above
+        from raylane.inference import Predictor  # lazy: torch, as above
+
         torch.set_num_threads(torch_threads)
         GUARD.key_digest = api_key_digest
         GUARD.max_body_bytes = max_body_bytes

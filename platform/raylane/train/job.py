@@ -28,12 +28,11 @@ from raylane.train.elastic import NodeWatch
 from raylane.train.errors import CODE_MISMATCH, CodeMismatchError
 from raylane.train.model_record import record_model, warm_model_logging
 from raylane.train.phases import MARK_PREFIX, PhaseClock, marks_from_metrics
-from raylane.train.preflight import check_resumable, check_run_inputs, preflight
+from raylane.train.preflight import preflight
 from raylane.train.recorder import RunRecorder
 from raylane.train.run_context import (
     RunContext,
     keep_run_worker_logs,
-    new_run_name,
     resolve_run_base,
     run_start,
 )
@@ -44,9 +43,6 @@ __all__ = [
     "CodeMismatchError",
     "TrainingOutcome",
     "build_trainer",
-    "check_resumable",
-    "check_run_inputs",
-    "new_run_name",
     "preflight",
     "record_phases",
     "run_training",

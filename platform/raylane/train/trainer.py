@@ -7,10 +7,7 @@ from pathlib import Path
 
 from raylane.config import RaylaneConfig
 from raylane.config.loader import with_absolute_paths
-from raylane.data.memory import MemorySplit
-from raylane.parallel import splits_dataset
 from raylane.train.journal import JOURNAL_FILE
-from raylane.train.loop import train_loop_per_worker
 from raylane.train.worker_spec import DriverLink, WorkerSpec
 
 # Ray Train's controller checks on its workers every 2 s by default, and each change of state
@@ -64,6 +61,12 @@ def build_trainer(
     """
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig
     from ray.train.torch import TorchConfig, TorchTrainer
+
+    # lazy: torch and the worker loop; the Tune and profile drivers import this module
+    # without building a trainer in their own process
+    from raylane.data.memory import MemorySplit
+    from raylane.parallel import splits_dataset  # lazy: as above
+    from raylane.train.loop import train_loop_per_worker  # lazy: as above
 
     prompt_health_checks()
     _elastic_start_timeout(cfg.parallelism.elastic)

@@ -89,16 +89,19 @@ def _layouts(
     where the preset splits them."""
     preset = PRESETS[strategy]
     staged = [(workers // pp, pp, 1, 1) for pp in pps if pp > 1 and workers % pp == 0]
-    if preset.pp[0] > 1:
+    if preset.needs_stages:
         return staged or [(workers, 1, 1, 1)]
-    takes_tp = preset.tp[1] is None
-    tp_options = tps if preset.tp[0] > 1 else sorted({1, *tps}) if takes_tp else [1]
+    tp_options = [1]  # names that split blocks: those of the space (and 1 where optional)
+    if preset.takes_tp:
+        tp_options = tps if preset.tp[0] > 1 else sorted({1, *tps})
     found = [
         (max(workers // (tp * cp), 1), 1, tp, cp)
         for tp in tp_options
         for cp in (cps if preset.cp else [1])
     ]
-    return found + [layout for layout in staged if layout[0] > 1] if preset.pp[1] is None else found
+    if preset.takes_stages:  # and every stage sharded over its dp workers
+        found += [layout for layout in staged if layout[0] > 1]
+    return found
 
 
 def _combinations(space, extra_keys: list[str]):
@@ -107,7 +110,7 @@ def _combinations(space, extra_keys: list[str]):
     there are stages, sequence parallelism only where there is tensor parallelism."""
     for strategy, workers in itertools.product(space.strategy, space.workers):
         for layout in _layouts(strategy, workers, space.pp, space.tp, space.cp):
-            pipelined = PRESETS[strategy].pp[0] > 1 or layout[1] > 1
+            pipelined = PRESETS[strategy].needs_stages or layout[1] > 1
             yield from itertools.product(
                 [strategy], [workers], [layout],
                 space.sequence_parallel if layout[2] > 1 else [False],
