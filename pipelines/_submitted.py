@@ -3,8 +3,8 @@
 `ray job submit --working-dir .` uploads this repository; without this, the job would import
 whichever raylane the cluster's Python has installed (say an older image's). Importing this
 module first puts the uploaded `platform/` ahead of it; workers do the same through
-`PYTHONPATH=platform` in the job's runtime environment (see the README), and a run whose
-workers and driver disagree stops with one line naming them.
+`PYTHONPATH=platform` in the job's runtime environment (see docs/guides/clusters.md), and a
+run whose workers and driver disagree stops with one line naming them.
 """
 
 import sys

@@ -1,7 +1,7 @@
 """Fine-tune a registered model as a Ray job (a config with a `finetune:` section).
 
     RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:8265 --working-dir . \
-        --runtime-env-json "$(raylane runtime-env --tracking-uri sqlite:////srv/mlflow.db)" \
+        --runtime-env-json "$(raylane util runtime-env --tracking-uri sqlite:////srv/mlflow.db)" \
         -- python pipelines/finetune.py --config configs/finetune/lm_lora.yaml
 
 The base is read from the tracking store the job is given: give it an absolute tracking URI

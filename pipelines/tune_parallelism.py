@@ -1,7 +1,7 @@
 """Search parallelism layouts as a Ray job; writes the best config under configs/generated/.
 
     RAY_AUTH_MODE=token ray job submit --address http://127.0.0.1:8265 --working-dir . \
-        --runtime-env-json "$(raylane runtime-env --tracking-uri sqlite:////srv/mlflow.db)" \
+        --runtime-env-json "$(raylane util runtime-env --tracking-uri sqlite:////srv/mlflow.db)" \
         -- python pipelines/tune_parallelism.py --config configs/tune/parallelism.yaml \
            --set output_dir=/srv/raylane/generated
 

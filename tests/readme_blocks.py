@@ -1,6 +1,7 @@
-"""The README's command blocks, read the way a person copies them.
+"""The command blocks of README.md and of the documentation site (docs/**/*.md), read the way a
+person copies them.
 
-Every fenced block in README.md is preceded by a marker comment:
+Every fenced block in those files is preceded by a marker comment:
 
     <!-- readme-test: run -->                 executed from a fresh copy of the repository
     <!-- readme-test: skip: <why> -->         cannot run here (a Docker engine, kubectl, GPU, the
@@ -20,6 +21,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+
+
+def sources() -> list[Path]:
+    """README.md, then every page of the documentation site, in path order."""
+    return [README, *sorted(DOCS.rglob("*.md"))]
+
 
 _MARKER = re.compile(r"^<!-- readme-test: (run|skip|text)(?::\s*(.*?))?\s*-->$")
 _FENCE = re.compile(r"^```(\w*)\s*$")
@@ -27,6 +35,7 @@ _FENCE = re.compile(r"^```(\w*)\s*$")
 
 @dataclass(frozen=True)
 class Block:
+    path: Path  # the file the block is in
     line: int  # 1-based line of the opening fence
     lang: str
     text: str
@@ -35,7 +44,7 @@ class Block:
 
     @property
     def where(self) -> str:
-        return f"README.md:{self.line}"
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
 
     def commands(self) -> list[str]:
         """Shell commands: continuation lines joined, comments and blank lines dropped."""
@@ -78,7 +87,12 @@ def _strip_comment(line: str) -> str:
     return line
 
 
-def read_blocks(path: Path = README) -> list[Block]:
+def read_blocks(paths: list[Path] | None = None) -> list[Block]:
+    """The fenced blocks of `paths` (default: README.md and docs/**/*.md), file by file."""
+    return [block for path in paths or sources() for block in _file_blocks(path)]
+
+
+def _file_blocks(path: Path) -> list[Block]:
     lines = path.read_text().splitlines()
     blocks: list[Block] = []
     i = 0
@@ -91,6 +105,7 @@ def read_blocks(path: Path = README) -> list[Block]:
         marker = _MARKER.match(lines[i - 1].strip()) if i else None
         blocks.append(
             Block(
+                path=path,
                 line=i + 1,
                 lang=fence.group(1),
                 text="\n".join(lines[i + 1 : end]),

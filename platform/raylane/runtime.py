@@ -33,7 +33,8 @@ def connect_ray(
     Serve's ingress variables with it: a running cluster keeps what it was started with).
     Ray 2.60 turns token authentication on for local clusters: a local start writes
     ~/.ray/auth_token, and clients of a `ray start` cluster need RAY_AUTH_MODE=token and that
-    token (see the README). Inside a `ray job submit` job, RAY_ADDRESS is set by Ray itself.
+    token (see docs/guides/clusters.md). Inside a `ray job submit` job, RAY_ADDRESS is set by
+    Ray itself.
     """
     import ray
 

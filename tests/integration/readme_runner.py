@@ -1,4 +1,5 @@
-"""Run README blocks as a person would: a fresh copy of the repository, a clean environment.
+"""Run the README's and the docs' blocks as a person would: a fresh copy of the repository, a
+clean environment.
 
 The copy holds the repository's files (no data, runs, MLflow store or generated configs) and
 links the installed `.venv`; HOME is a fresh folder, so Ray's token file and caches are the
@@ -189,7 +190,7 @@ class Background:
         raise AssertionError(f"{url} not ready after {timeout_s:.0f} s:\n{self.output()[-3000:]}")
 
     def interrupt(self, timeout_s: float = 120) -> int:
-        """Ctrl-C, as the README says; the whole group is killed if it does not stop in time."""
+        """Ctrl-C, as the docs say; the whole group is killed if it does not stop in time."""
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGINT)
             try:

@@ -1,5 +1,6 @@
 """The core proof: every model-splitting layout (pipeline, hybrid, tensor parallel, FSDP,
-FSDP x tensor parallel, pipeline x FSDP, and 3D dp x pp x tp) is the same computation as
+FSDP x tensor parallel, pipeline x FSDP, and 3D dp x pp x tp; the GPT's, and the Llama's tp,
+sequence parallel, FSDP, pipeline and context parallel) is the same computation as
 single-process training, and so are the limits of the relaxed-consistency strategies that must
 reduce to it (DDP; local SGD averaging every step; an asynchronous parameter server with one
 worker), and gradient compression (DDP's hook, tensor-parallel replicas) against single-process
@@ -85,7 +86,27 @@ LAYOUTS = {
     # bf16 autocast over fp32 master weights, against single-process training under the same
     # autocast on the whole global batch.
     "ddp2-bf16": {"strategy": "ddp", "dp": 2, "precision": "bf16"},
+    # The Llama (grouped-query attention: 4 query heads, 2 key/value heads) through the same
+    # strategies: its tensor-parallel plan, FSDP2, pipeline stages, ring attention.
+    "llama-tp2": {"model": "llama", "strategy": "tp", "tp": 2, "dp": 1},
+    "llama-tp2-sp": {
+        "model": "llama",
+        "strategy": "tp",
+        "tp": 2,
+        "dp": 1,
+        "sequence_parallel": True,
+    },
+    "llama-fsdp2": {"model": "llama", "strategy": "fsdp", "tp": 1, "dp": 2},
+    "llama-pp2": {
+        "model": "llama",
+        "strategy": "pipeline",
+        "schedule": "1f1b",
+        "pp": 2,
+        "dp": 1,
+    },
+    "llama-cp2": {"model": "llama", "strategy": "ddp", "dp": 1, "cp": 2},
 }
+LLAMA = ["model.kind=llama", "model.n_kv_heads=2"]
 TRAINING_KEYS = ("activation_checkpointing", "precision")
 #: bf16 is not bit-stable across batch splits: a weight gradient is a bf16 GEMM over the rows,
 #: rounded to bf16 once for 16 rows in the reference and once per replica's 8 rows in DDP. On
@@ -104,8 +125,10 @@ def _config(layout: dict):
         if key in TRAINING_KEYS
         else f"parallelism.{key}={value}"
         for key, value in layout.items()
-        if key != "lora"
+        if key not in ("lora", "model")
     ]
+    if layout.get("model") == "llama":
+        overrides += LLAMA
     if layout.get("lora"):
         overrides += [f"finetune.{key}={json.dumps(value)}" for key, value in LORA.items()]
     if "pp" not in layout:

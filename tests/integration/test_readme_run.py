@@ -1,9 +1,12 @@
-"""The README's runnable blocks, executed as written from a fresh copy, in README order.
+"""The runnable blocks of README.md and the documentation site (docs/**/*.md), executed as
+written from a fresh copy.
 
 Blocks share one copy (data prepared, models registered, the MLflow store), as they would for
-a person reading from the top. The only changes to the text are the documented placeholders
-(`<run>`, `<old>`, `<new>`). Servers (`raylane deploy`, `serve run`, `mlflow ui`) are started,
-used and stopped with Ctrl-C; clusters a block starts are stopped even when it fails.
+a person reading from the start. A block that appears word for word in two places (README.md
+and the guide it summarises) is run once, for both. The only changes to the text are the
+documented placeholders (`<run>`, `<old>`, `<new>`). Servers (`raylane deploy`, `serve run`,
+`mlflow ui`) are started, used and stopped with Ctrl-C; clusters a block starts are stopped even
+when it fails.
 """
 
 from __future__ import annotations
@@ -38,10 +41,14 @@ ENDPOINT = "http://127.0.0.1:8000"
 
 
 def block(command: str) -> Block:
-    """The one runnable block with a command starting with `command`."""
+    """The one runnable block, across README.md and docs/, with a command starting with
+    `command` (identical copies of it in other files are claimed with it)."""
     found = [b for b in RUN if any(c.startswith(command) for c in b.commands())]
-    assert len(found) == 1, f"README has {len(found)} runnable blocks with {command!r}"
-    CLAIMED.append(found[0])
+    texts = {b.text for b in found}
+    assert len(texts) == 1, (
+        f"{len(texts)} different runnable blocks with {command!r}: {[b.where for b in found]}"
+    )
+    CLAIMED.extend(found)
     return found[0]
 
 
@@ -70,7 +77,7 @@ YOUR_MODEL = block("python tools/tiny_checkpoint.py")
 
 def test_every_runnable_block_is_run_here():
     unclaimed = [b.where for b in RUN if b not in CLAIMED]
-    assert not unclaimed, f"runnable README blocks no test runs: {unclaimed}"
+    assert not unclaimed, f"runnable blocks no test runs: {unclaimed}"
 
 
 @pytest.fixture(scope="module")
@@ -350,6 +357,23 @@ class TestOnARunningCluster:
             gap = (theirs(tokens).logits - load_pretrained(out)(tokens)).abs().max().item()
         assert gap <= 1e-4, gap
         assert (out / "tokenizer.json").read_bytes() == given.read_bytes()
+        # LoRA on the imported version: the base read from model.pretrained (its sha256 the
+        # import's), the adapter alone registered against it, and served with its tokenizer.
+        finetuned = run.command("raylane finetune").output
+        base, tuned = map(
+            float, re.search(r"base ([\d.]+), fine-tuned ([\d.]+)", finetuned).groups()
+        )
+        assert tuned < base, finetuned[-2000:]
+        adapter = client.get_model_version("raylane-llama-lora", "1").tags
+        assert (adapter["raylane.base_model"], adapter["raylane.base_version"]) == (
+            "tiny-llama",
+            "1",
+        )
+        assert adapter["raylane.base_digest"] == imported.tags["raylane.weights_sha256"]
+        generated = run.command("raylane generate").output
+        assert "raylane-llama-lora v1" in generated, generated
+        # Up to its 8 tokens, or fewer at the tokenizer's end-of-text (never printed).
+        assert re.search(r"finish: (length, 8|stop, [1-8]) tokens", generated), generated
 
     def test_generation_train_block(self, on_cluster):
         copy, env, _ = on_cluster
@@ -361,7 +385,7 @@ class TestOnARunningCluster:
         bits = client.get_run(run_id).data.metrics["val_bits_per_byte"]
         assert bits < 0.7 * 8, bits  # well below a uniform guess over 256 bytes (8 bits)
         generated = run.command("raylane generate").output
-        assert "raylane-lm-serve v1" in generated and "finish: length, 128 bytes" in generated
+        assert "raylane-lm-serve v1" in generated and "finish: length, 128 tokens" in generated
         # The text is the registered model's own seeded draw (the cache-free reference with
         # the command's defaults), not only the echoed prompt; compared on its ASCII
         # characters, since a stray byte decodes to U+FFFD once here and per piece when streamed.
@@ -395,7 +419,7 @@ class TestOnARunningCluster:
         assert found and float(found[2]) < float(found[1]), second  # its 5 steps adapted it too
         run_id = re.search(r"MLflow run ([0-9a-f]{32})", second).group(1)
         short = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db").get_run(run_id).data
-        assert short.metrics["global_step"] == 5, short.metrics  # the README's short run
+        assert short.metrics["global_step"] == 5, short.metrics  # the guide's short run
         assert short.params["finetune.target_modules"] == "['q', 'k', 'v', 'proj']"
 
 
@@ -451,7 +475,7 @@ def test_deploy_calls_and_triton_blocks(readme):
         calls = _ok(run_block(CALLS, copy, env, timeout_s=60), CALLS.where)
         oip, rows = (json.loads(c.output) for c in calls.commands)
         labels = {o["name"]: o["data"] for o in oip["outputs"]}
-        assert labels["label"] == [0], oip  # the README's digit is a 0
+        assert labels["label"] == [0], oip  # the guide's digit is a 0
         assert rows["predictions"] == [0], rows
 
         triton = subprocess.run(
@@ -548,7 +572,7 @@ def test_job_submit_block(readme):
     submits = [c for c in run.commands if c.text.startswith("ray job submit")]
     assert len(submits) == 2
     assert all("succeeded" in c.output for c in submits), [c.output[-2000:] for c in submits]
-    # The job's run landed in the store the README points it at ($PWD/mlflow.db), with the
+    # The job's run landed in the store the guide points it at ($PWD/mlflow.db), with the
     # commit it was submitted from and the code its workers ran: the uploaded copy.
     (new,) = [r for r in client.search_runs([experiment]) if r.info.run_id not in before]
     assert new.data.params["parallelism.strategy"] == "ddp"

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.readme_blocks import ROOT
+from tests.unit.gloo import CheckFailed, on_gloo, run_checks
 
 CHECKPOINT = ROOT / "checkpoints" / "tiny-llama"
 
@@ -23,3 +24,24 @@ def shipped_checkpoint() -> Path:
             check=True, capture_output=True,
         )  # fmt: skip
     return CHECKPOINT
+
+
+@pytest.fixture(scope="session")
+def two_processes(request, tmp_path_factory):
+    """`results(module, name)`: the per-rank results of check `name` of `module`'s
+    `TWO_PROCESS_CHECKS`, from one 2-process gloo spawn for every collected module that has
+    them (`tests.unit.gloo`); a check that raised fails the test with its traceback."""
+    modules = sorted({
+        item.module.__name__ for item in request.session.items
+        if hasattr(getattr(item, "module", None), "TWO_PROCESS_CHECKS")
+    })  # fmt: skip
+    ranks = on_gloo(run_checks, 2, tmp_path_factory.mktemp("two_processes"), modules)
+
+    def results(module: str, name: str) -> list:
+        found = [rank_results[module, name] for rank_results in ranks]
+        failed = [r for r in found if isinstance(r, CheckFailed)]
+        if failed:
+            pytest.fail(f"{module}:{name} raised on a worker:\n{failed[0]}", pytrace=False)
+        return found
+
+    return results

@@ -11,6 +11,7 @@ import yaml
 from typer.testing import CliRunner
 
 from raylane.cli import app
+from raylane.cli.planning import PLAN_CONFIG
 from raylane.config import load_config
 from raylane.tune.spec import load_spec
 
@@ -108,10 +109,10 @@ def test_a_file_typo_and_an_override_typo_are_each_blamed(tmp_path):
 
 
 def _set_help(command: str) -> tuple[str, object]:
-    """The `--set` help of `command`, and its `--config` default."""
+    """The `--set` help of `command`, and its `--config` default (plan's is in its help)."""
     group = typer.main.get_command(app)
     params = {param.name: param for param in group.commands[command].params}
-    return params["overrides"].help, params["config"].default
+    return params["overrides"].help, params["config"].default or PLAN_CONFIG
 
 
 @pytest.mark.parametrize(
@@ -123,6 +124,7 @@ def _set_help(command: str) -> tuple[str, object]:
         ("finetune", "training.epochs=3"),
         ("quickstart", "training.epochs=3"),
         ("profile", "training.epochs=3"),
+        ("plan", "training.batch_size=512"),
         ("tune", "trial.epochs=3"),
         ("deploy", "serving.port=8001"),
         ("generate", "serving.port=8001"),

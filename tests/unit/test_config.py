@@ -148,11 +148,42 @@ def test_cli_reports_bad_config_in_one_line_without_traceback(tmp_path):
     assert "ray" not in result.stderr.lower().replace("raylane", "")
 
 
-def test_readme_configuration_reference_is_current():
-    from raylane.config.reference import render_into
+def test_configuration_reference_and_json_schema_are_current():
+    from raylane.config.reference import (
+        JSON_SCHEMA,
+        REFERENCE_PAGE,
+        config_json_schema_text,
+        render_into,
+    )
 
-    readme = (ROOT / "README.md").read_text()
-    assert render_into(readme) == readme, "run: python -m raylane.config.reference"
+    rerun = "run: PYTHONPATH=platform python -m raylane.config.reference"
+    page = (ROOT / REFERENCE_PAGE).read_text()
+    assert "| `experiment` | required |" in page
+    assert render_into(page) == page, rerun
+    assert (ROOT / JSON_SCHEMA).read_text() == config_json_schema_text(), rerun
+
+
+def test_shipped_configs_and_the_elastic_range_validate_against_the_json_schema():
+    """What an editor checks against the schema file: every shipped run config passes, an
+    elastic range passes, and an unknown key or a worker count of 0 is flagged."""
+    import json
+
+    import jsonschema
+
+    from raylane.config.reference import JSON_SCHEMA
+
+    schema = json.loads((ROOT / JSON_SCHEMA).read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    configs = [*TRAIN_CONFIGS, *sorted(ROOT.glob("configs/finetune/*.yaml")),
+               *sorted(ROOT.glob("configs/plan/*.yaml"))]  # fmt: skip
+    for path in configs:
+        errors = [e.message for e in validator.iter_errors(yaml.safe_load(path.read_text()))]
+        assert not errors, f"{path.name}: {errors}"
+    elastic = {"experiment": "x", "parallelism": {"workers": {"min": 1, "max": 4}}}
+    assert validator.is_valid(elastic)
+    assert not validator.is_valid({"experiment": "x", "parallelism": {"workers": 0}})
+    assert not validator.is_valid({"experiment": "x", "parallelism": {"workers": {"min": 1}}})
+    assert not validator.is_valid({"experiment": "x", "trainig": {}})
 
 
 LM_PIPELINE = ROOT / "configs" / "train" / "lm_pipeline.yaml"
@@ -182,7 +213,7 @@ LM_PIPELINE = ROOT / "configs" / "train" / "lm_pipeline.yaml"
         (["model.n_heads=3"], "d_model (64) must be divisible by n_heads (3)"),
         (
             ["model.kind=mlp", "data.source=sklearn-digits", "model.num_classes=10"],
-            "model.kind must be 'gpt', not 'mlp'",
+            "model.kind must be 'gpt' or 'llama', not 'mlp'",
         ),
         (["model.num_classes=128"], "byte-level (256 tokens)"),
     ],

@@ -112,8 +112,8 @@ def test_checkpoints_carry_the_global_step(tmp_path):
     assert resume_position(tmp_path / "s") == Position(2, 5, 1.5, 80, 95)
 
 
-def test_the_readme_spot_excerpt_is_a_valid_elastic_config():
-    text = (ROOT / "README.md").read_text().split("### Spot capacity", 1)[1]
+def test_the_spot_guide_excerpt_is_a_valid_elastic_config():
+    text = (ROOT / "docs" / "guides" / "spot.md").read_text()
     excerpt = yaml.safe_load(text.split("```yaml\n", 1)[1].split("```", 1)[0])
     overrides = [
         f"{section}.{key}={json.dumps(value)}"

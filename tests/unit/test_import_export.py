@@ -301,3 +301,43 @@ def test_the_one_line_errors(tmp_path, store):
     )
     assert message == f"{taken} exists and is not an empty directory"
     assert (taken / "keep.txt").read_text() == "mine"
+
+
+def _lora_config(pretrained: Path, store: str, *extra: str):
+    from raylane.config import load_config
+
+    return load_config(
+        ROOT / "configs" / "finetune" / "llama_lora.yaml",
+        [f"model.pretrained={pretrained}", "model.num_classes=256", "model.input_dim=64",
+         f"tracking.tracking_uri={store}", *extra],
+    )  # fmt: skip
+
+
+def test_an_imported_checkpoint_is_a_fine_tuning_base_read_from_its_directory(tmp_path, store):
+    from raylane.tracking.lineage import BaseModelError, resolve_base
+
+    source = tmp_path / "tiny"
+    _checkpoint(source)
+    assert (
+        _invoke("import", str(source), "--name", "tiny-llama", "--tracking-uri", store).exit_code
+        == 0
+    )
+    imported = MlflowClient(store).get_model_version("tiny-llama", "1").tags
+    cfg = _lora_config(source, store)
+    base = resolve_base(cfg, store)
+    # The workers load the base from model.pretrained: no weights travel through Ray.
+    assert (base.name, base.version, base.state) == ("tiny-llama", 1, None)
+    assert base.digest == imported["raylane.weights_sha256"]
+    assert base.tags()["raylane.base_digest"] == base.digest
+    # Other files than were imported: refused, naming both digests.
+    other = tmp_path / "other"
+    _checkpoint(other)
+    weights = other / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1] + b"\x01")
+    with pytest.raises(BaseModelError, match=rf"imported from weights sha256 {base.digest[:12]};"):
+        resolve_base(_lora_config(other, store), store)
+    # A reproduced run checks the digest it recorded.
+    with pytest.raises(BaseModelError, match="was fine-tuned from weights sha256 0123456789ab"):
+        resolve_base(cfg, store, expect_digest="0123456789abcdef")
+    with pytest.raises(BaseModelError, match=r"target_modules \['q'\] match no linear layer"):
+        resolve_base(_lora_config(source, store, "finetune.target_modules=[q]"), store)

@@ -218,15 +218,24 @@ def _run_config(**parallelism) -> RaylaneConfig:
     })  # fmt: skip
 
 
-def test_layouts_without_a_llama_plan_are_refused():
+def test_llama_layouts_and_those_refused():
     assert _run_config(strategy="fsdp", workers=2).model.kind == "llama"
-    refused = "model.kind 'llama' trains with strategy 'ddp' or"
+    refused = "model.kind 'llama' trains with strategy 'ddp', 'fsdp', 'tp', 'pipeline' or"
     with pytest.raises(ValidationError, match=refused):
         _run_config(strategy="local_sgd", workers=2)
-    with pytest.raises(ValidationError, match="into stages; model.kind must be 'gpt', not 'l"):
-        _run_config(strategy="pipeline", pp=2, workers=2)
-    with pytest.raises(ValidationError, match="parallelism.cp splits token sequences; model.kin"):
-        _run_config(strategy="ddp", cp=2, workers=2)
+    # Pipeline stages and context parallelism (proven in test_llama_pp_cp.py).
+    assert _run_config(
+        strategy="pipeline", pp=2, workers=2, microbatches=2
+    ).parallelism.dims.pp_enabled
+    assert _run_config(strategy="ddp", cp=2, workers=2).parallelism.dims.cp_enabled
+    with pytest.raises(ValidationError, match=r"tensor parallelism \(tp 2\) or by pipeline"):
+        _run_config(strategy="tp", tp=2, cp=2, workers=4)
+    tied = {"kind": "llama", "num_classes": 256, "input_dim": 32, "tie_embeddings": True}
+    with pytest.raises(ValidationError, match="a llama whose head is its embedding"):
+        RaylaneConfig.model_validate({
+            "experiment": "llama", "data": {"source": "parquet"}, "model": tied,
+            "parallelism": {"strategy": "pipeline", "pp": 2, "workers": 2, "microbatches": 2},
+        })  # fmt: skip
 
 
 def test_tensor_parallel_llama_layouts_need_whole_heads_and_equal_mlp_parts():

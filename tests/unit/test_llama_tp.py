@@ -8,13 +8,9 @@ key/value head."""
 from __future__ import annotations
 
 import copy
-import datetime
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from raylane.models.llama import LlamaConfig, LlamaForCausalLM
 from raylane.models.losses import cross_entropy
@@ -72,45 +68,39 @@ def _errors(plain, split) -> dict[str, float]:
     }
 
 
-def _worker(rank: int, store_path: str, out_dir: str) -> None:
-    """One of 2 processes: the plain model's step, then each layout's on a copy of it."""
+def _work(rank: int, world: int) -> dict:
+    """The plain model's step, then each layout's on a copy of it."""
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor
 
     from raylane.parallel.parallelize import apply_tensor_parallel
 
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, 2)
-    timeout = datetime.timedelta(seconds=60)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
-    try:
-        mesh = DeviceMesh("cpu", [0, 1])
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(CONFIG)
-        initial = copy.deepcopy(model)
-        plain = _step(model)
-        moved = max((plain[1][k] - p).abs().max().item() for k, p in initial.named_parameters())
-        errors = {}
-        for name, (sequence_parallel, vocabulary_loss) in LAYOUTS.items():
-            split = copy.deepcopy(initial)
-            apply_tensor_parallel(split, mesh, sequence_parallel, vocabulary_loss)
-            local = split.blocks["0"].self_attn
-            shapes = (local.q_proj.weight.to_local().shape, local.k_proj.weight.to_local().shape)
-            head = split.head.weight
-            head_rows = (head.to_local() if isinstance(head, DTensor) else head).shape[0]
-            measured = _errors(plain, _step(split, vocabulary_loss))
-            errors[name] = measured | {"shapes": shapes, "head_rows": head_rows, "moved": moved}
-        torch.save(errors, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    mesh = DeviceMesh("cpu", list(range(world)))
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(CONFIG)
+    initial = copy.deepcopy(model)
+    plain = _step(model)
+    moved = max((plain[1][k] - p).abs().max().item() for k, p in initial.named_parameters())
+    errors = {}
+    for name, (sequence_parallel, vocabulary_loss) in LAYOUTS.items():
+        split = copy.deepcopy(initial)
+        apply_tensor_parallel(split, mesh, sequence_parallel, vocabulary_loss)
+        local = split.blocks["0"].self_attn
+        shapes = (local.q_proj.weight.to_local().shape, local.k_proj.weight.to_local().shape)
+        head = split.head.weight
+        head_rows = (head.to_local() if isinstance(head, DTensor) else head).shape[0]
+        measured = _errors(plain, _step(split, vocabulary_loss))
+        errors[name] = measured | {"shapes": shapes, "head_rows": head_rows, "moved": moved}
+    return errors
+
+
+TWO_PROCESS_CHECKS = {"layouts": _work}
 
 
 @pytest.fixture(scope="module")
-def split_errors(tmp_path_factory) -> list[dict]:
-    """Every process's errors per layout, in rank order (one spawn for all layouts)."""
-    tmp = tmp_path_factory.mktemp("llama_tp")
-    mp.spawn(_worker, args=(str(tmp / "store"), str(tmp)), nprocs=2, join=True)
-    return [torch.load(tmp / f"rank{rank}.pt") for rank in range(2)]
+def split_errors(two_processes) -> list[dict]:
+    """Every process's errors per layout, in rank order."""
+    return two_processes(__name__, "layouts")
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

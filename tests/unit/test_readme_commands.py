@@ -1,4 +1,5 @@
-"""Every README command block, and the usage lines it points to, checked without running them.
+"""Every command block of README.md and the documentation site (docs/**/*.md), and the usage
+lines they point to, checked without running them.
 
 Runnable blocks are also executed from a fresh copy (tests/integration/test_readme_run.py);
 this checks all of them, including those that need Docker or Kubernetes: each `raylane`
@@ -79,7 +80,8 @@ def _raylane(argv: list[str], where: str) -> None:
     if name == "plan":
         from raylane.plan.hardware import load_cluster
 
-        load_config(ROOT / ctx.params["model"])
+        model = config or ctx.params.get("model") or "configs/plan/gpt_1p3b.yaml"
+        load_config(ROOT / model, sets)
         load_cluster(ROOT / ctx.params["cluster"])
         return
     if config is None:

@@ -42,7 +42,6 @@ def test_a_spec_round_trips_through_pickle_with_its_config_and_link_intact():
     )
     back = pickle.loads(pickle.dumps(spec))
     assert back == spec
-    assert back.config == with_absolute_paths(cfg).model_dump(mode="json")
     assert back.config["training"]["lr"] == 0.0123
     assert back.driver_code == {"code_digest": "d1g35t", "code_path": "/src/raylane"}
     assert back.base_state == ("weights", 42)

@@ -1,8 +1,10 @@
-"""The `raylane` command line: prepare, train, tune, deploy, quickstart.
+"""The `raylane` command line: data, training, planning, serving, runs and models.
 
-`COMMANDS` lists each command in the order `raylane --help` shows them, with the function that
-runs it and its one-line help: `raylane --help` reads only this list, and a command's module
-is imported when that command runs or shows its own --help (`raylane.cli.lazy`)."""
+`COMMANDS` lists each command in the order `raylane --help` shows them, under its help panel,
+with the function that runs it and its one-line help: `raylane --help` reads only this list,
+and a command's module is imported when that command runs or shows its own --help
+(`raylane.cli.lazy`). `raylane util` groups the helpers; their old top-level names still work,
+hidden from the listing."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import atexit
 import os
 import sys
 import threading
+from dataclasses import replace
 from typing import Annotated
 
 import typer
@@ -17,69 +20,68 @@ import typer
 from raylane.cli.lazy import Listed, lazy_group
 from raylane.cli.stopping import EXIT_SIGTERM, stop_on_sigterm, terminated
 
+DATA, TRAINING, PLANNING, SERVING, TRACKED, UTIL = (
+    "Data", "Training", "Planning", "Serving", "Runs & models", "Utilities",
+)  # fmt: skip
+
+RUNTIME_ENV = Listed(
+    "runtime-env",
+    "raylane.cli.env:runtime_env",
+    "Print the --runtime-env-json for `ray job submit`.",
+)
+SERVE_ENV = Listed(
+    "serve-env", "raylane.cli.env:serve_env", "Print the export line that picks Serve's ingress."
+)
+
 COMMANDS = (
     Listed("validate", "raylane.cli.validate:validate",
-           "Check a config, or a search spec (configs/tune/), and print it fully resolved "
-           "(defaults filled in)."),
+           "Check a run config, search spec or cluster spec.", DATA),
     Listed("prepare", "raylane.cli.prepare:prepare",
-           "Materialise the config's dataset as Parquet (train and validation splits)."),
+           "Materialise the config's dataset as Parquet.", DATA),
     Listed("train", "raylane.cli.training:train",
-           "Train with the config's parallelism strategy on Ray Train; track and register in "
-           "MLflow."),
+           "Train on Ray Train; track and register in MLflow.", TRAINING),
     Listed("finetune", "raylane.cli.training:finetune",
-           "Fine-tune a registered model (LoRA or every weight) on Ray Train; register the "
-           "result against its base."),
+           "Fine-tune a registered model (LoRA or full) on Ray Train.", TRAINING),
     Listed("quickstart", "raylane.cli.quickstart:quickstart",
-           "Prepare, train (DDP), register, deploy, query the endpoint over HTTP, shut down."),
-    Listed("runtime-env", "raylane.cli.env:runtime_env",
-           "Print the --runtime-env-json for `ray job submit` of a raylane pipeline: the "
-           "tracking store (absolute), the uploaded raylane first on PYTHONPATH, and the git "
-           "commit."),
-    Listed("serve-env", "raylane.cli.env:serve_env",
-           "Print the `export` line that selects Serve's ingress for a Ray started after it: "
-           'eval "$(raylane serve-env)" before `ray start` or `serve run`.'),
-    Listed("deploy", "raylane.cli.serving:deploy",
-           "Serve a registered model (blocks until Ctrl-C): Open Inference Protocol infer, or "
-           "text generation over an OpenAI-compatible API with `serving.api: generate`."),
-    Listed("generate", "raylane.cli.generate:generate",
-           "Generate text from a registered language model here, with its KV cache, printing "
-           "it as it comes (no cluster needed). Example: raylane generate --prompt 'def main('"),
-    Listed("promote", "raylane.cli.serving:promote",
-           "Move the champion alias to VERSION; a running app (at $RAY_ADDRESS) rolls onto "
-           "it."),
-    Listed("status", "raylane.cli.serving:status",
-           "Serve applications, deployments, replica counts and served model versions (needs "
-           "RAY_ADDRESS: a running cluster)."),
+           "Prepare, train, register, deploy and query, once.", TRAINING),
     Listed("tune", "raylane.cli.planning:tune",
-           "Search parallelism layouts with Ray Tune on measured throughput; emit the best "
-           "config."),
+           "Search parallelism layouts with Ray Tune, measured.", PLANNING),
     Listed("plan", "raylane.cli.planning:plan_layouts",
-           "Predict the best layouts of a model on a cluster that need not exist here (step "
-           "time, memory per device; with --objective cost, cost per epoch on spot or "
-           "on-demand capacity), from its shape and a hardware catalog; write the winner's "
-           "config."),
+           "Predict the best layouts for a cluster that need not exist.", PLANNING),
     Listed("profile", "raylane.cli.planning:profile_cluster",
-           "Measure what the config's GPT blocks and the worker group's links cost (a short "
-           "Ray Train job); log it to MLflow and reuse it while model and cluster are "
-           "unchanged."),
+           "Measure the model's blocks and the worker group's links.", PLANNING),
+    Listed("deploy", "raylane.cli.serving:deploy",
+           "Serve a registered model on Ray Serve.", SERVING),
+    Listed("generate", "raylane.cli.generate:generate",
+           "Generate text from a registered language model, here.", SERVING),
+    Listed("promote", "raylane.cli.serving:promote",
+           "Give a version the champion alias; a running app rolls.", SERVING),
+    Listed("status", "raylane.cli.serving:status",
+           "Serve apps, replicas and served versions on the cluster.", SERVING),
+    Listed("runs", "raylane.cli.browse:runs",
+           "List tracked runs: status, start, strategy, metrics.", TRACKED),
+    Listed("models", "raylane.cli.browse:models",
+           "List registered models, their versions and aliases.", TRACKED),
+    Listed("logs", "raylane.cli.browse:logs",
+           "Print a run's console logs, or another text artifact.", TRACKED),
     Listed("compare", "raylane.cli.runs:compare",
-           "What differs between two training runs: code, data, versions, cluster, config "
-           "keys, final metrics and weights."),
+           "What differs between two training runs.", TRACKED),
     Listed("reproduce", "raylane.cli.runs:reproduce",
-           "Re-run a training run from MLflow alone and say whether it came out identical."),
+           "Re-run a training run from MLflow; identical or not.", TRACKED),
     Listed("import", "raylane.cli.models:import_",
-           "Register a Hugging Face checkpoint (Llama, Mistral, Qwen2) as a new model "
-           "version."),
+           "Register a Hugging Face checkpoint as a model version.", TRACKED),
     Listed("export", "raylane.cli.models:export",
-           "Write a registered Llama-family model (imported, or trained by raylane) as a "
-           "Hugging Face directory."),
+           "Write a registered Llama-family model for Hugging Face.", TRACKED),
+    Listed("util", "", "runtime-env, serve-env: for Ray jobs and Serve by hand.", UTIL,
+           commands=(RUNTIME_ENV, SERVE_ENV)),
+    replace(RUNTIME_ENV, hidden=True),  # the helpers' old names
+    replace(SERVE_ENV, hidden=True),
 )  # fmt: skip
 
 app = typer.Typer(
     cls=lazy_group(*COMMANDS),
     help="raylane: parallel training on Ray Train, runs and models in MLflow, serving on Ray "
-    "Serve.\n\nExample: raylane train --config configs/train/digits_ddp.yaml --set "
-    "training.epochs=3",
+    "Serve.\n\nExample: raylane train -c configs/train/digits_ddp.yaml -s training.epochs=3",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,

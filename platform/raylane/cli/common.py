@@ -34,6 +34,24 @@ def _set_option(example: str):
 SetOption = _set_option("training.epochs=3")  # a run config's
 TuneSetOption = _set_option("trial.epochs=3")  # a search spec's
 ServingSetOption = _set_option("serving.port=8001")  # a run config's, for its endpoint
+PlanSetOption = _set_option("training.batch_size=512")  # a run config's, for its shape
+StoreSetOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        "-s",
+        help="Override a field of the config, e.g. --set tracking.tracking_uri=URI (repeatable).",
+    ),
+]
+StoreConfigOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--config",
+        "-c",
+        help="Run config whose tracking store to read (default: $MLFLOW_TRACKING_URI, else "
+        "sqlite:///mlflow.db).",
+    ),
+]
 VerboseOption = Annotated[
     bool,
     typer.Option(

@@ -1,5 +1,5 @@
-"""`raylane runtime-env` and `serve-env`: the environment a Ray job or a Ray started by hand
-needs for raylane."""
+"""`raylane util runtime-env` and `util serve-env` (also still `raylane runtime-env` and
+`serve-env`): the environment a Ray job or a Ray started by hand needs for raylane."""
 
 from __future__ import annotations
 
@@ -18,8 +18,13 @@ def runtime_env(
         typer.Option(help="MLflow tracking URI for the job (default: as `raylane train` uses)."),
     ] = None,
 ) -> None:
-    """Print the --runtime-env-json for `ray job submit` of a raylane pipeline: the tracking
-    store (absolute), the uploaded raylane first on PYTHONPATH, and the git commit."""
+    """Print the --runtime-env-json for `ray job submit` of a raylane pipeline.
+
+    The tracking store (absolute), the uploaded raylane first on PYTHONPATH, and
+    the git commit.
+
+    Example: ray job submit --runtime-env-json "$(raylane util runtime-env)" ...
+    """
     print(job_runtime_env_json(tracking_uri))
 
 
@@ -28,8 +33,12 @@ def serve_env(
         str, typer.Option(help="'haproxy' (raylane's default) or 'proxy' (Serve's Python proxy).")
     ] = "haproxy",
 ) -> None:
-    """Print the `export` line that selects Serve's ingress for a Ray started after it:
-    eval "$(raylane serve-env)" before `ray start` or `serve run`."""
+    """Print the `export` line that selects Serve's ingress for a Ray started later.
+
+    Run it before `ray start` or `serve run`.
+
+    Example: eval "$(raylane util serve-env)"
+    """
     if ingress not in ("haproxy", "proxy"):
         raise fail(f"--ingress must be 'haproxy' or 'proxy', not {ingress!r}")
     print(export_lines(ingress))

@@ -36,15 +36,21 @@ def generate(
     config: ConfigOption = Path("configs/train/lm_serve.yaml"),
     overrides: ServingSetOption = None,
     version: VersionOption = None,
-    max_tokens: Annotated[int, typer.Option(help="Bytes to generate at most.")] = 128,
+    max_tokens: Annotated[
+        int, typer.Option(help="Tokens to generate at most (bytes for a byte-level GPT).")
+    ] = 128,
     temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.8,
     top_k: Annotated[int, typer.Option(help="Sample among the k likeliest (0: all).")] = 0,
     top_p: Annotated[float, typer.Option(help="Sample within this probability mass.")] = 1.0,
     seed: Annotated[int | None, typer.Option(help="Seed (repeatable output).")] = None,
     stop: Annotated[list[str] | None, typer.Option(help="Stop before this text.")] = None,
 ) -> None:
-    """Generate text from a registered language model here, with its KV cache, printing it
-    as it comes (no cluster needed). Example: raylane generate --prompt 'def main('"""
+    """Generate text from a registered language model, here (no cluster needed).
+
+    The model runs with its KV cache; the text is printed as it comes.
+
+    Example: raylane generate --prompt 'def main('
+    """
     setup_logging()
     cfg = load(config, [*(overrides or []), *version_override(version)])
     try:
@@ -65,9 +71,9 @@ def generate(
         if generation.draft_model is not None:
             draft, _ = loader.load_draft_model(tracking_uri, generation.draft_model)
         engine = engine_module.GenerationEngine(
-            model, 1, speculate=generation.speculate, draft=draft
+            model, 1, speculate=generation.speculate, draft=draft, codec=card.codec
         )
-        sequence = engine.add(list(prompt.encode()), params)
+        sequence = engine.add(card.codec.encode(prompt), params)
     console.print(f"{card.registered_model} v{card.version}, {card.parameters:,} parameters",
                   highlight=False)  # fmt: skip
     text = openai_protocol.TextStream()
@@ -78,7 +84,7 @@ def generate(
             out.write(text.feed(event.text, final=event.finished))
             out.flush()
     out.write("\n")
-    finish = f"finish: {sequence.finish_reason}, {len(sequence.output)} bytes"
+    finish = f"finish: {sequence.finish_reason}, {len(sequence.output)} tokens"
     if engine.acceptance_rate is not None:
         finish += f", {engine.acceptance_rate:.0%} of proposed tokens accepted"
     console.print(finish, highlight=False)

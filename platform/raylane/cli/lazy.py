@@ -1,8 +1,9 @@
 """Loading on demand, so that `raylane --help`, a command's own --help and a mistake in its
 arguments or config answer at once, without torch, Ray or MLflow:
 
-* `LazyGroup`: the group knows each command's name, one-line help and the module that defines
-  it (a `Listed`), and imports that module only when the command runs or shows its own --help;
+* `LazyGroup`: the group knows each command's name, one-line help, help panel and the module
+  that defines it (a `Listed`), and imports that module only when the command runs or shows its
+  own --help; a `Listed` with commands of its own is a subgroup, as lazy;
 * `deferred`: a torch-, Ray- or MLflow-heavy raylane module a command module names at its top
   and imports when the command first uses it, once its arguments and config are checked.
 """
@@ -23,28 +24,45 @@ from typer.core import TyperCommand, TyperGroup
 @dataclass(frozen=True)
 class Listed:
     """A command as `raylane --help` lists it: its name, the function that runs it
-    ("module:function") and its one-line help."""
+    ("module:function"; empty for a subgroup of `commands`), its one-line help, the help panel
+    it is listed under, and whether it is hidden (an old name kept working)."""
 
     name: str
     function: str
     help: str
+    panel: str | None = None
+    hidden: bool = False
+    commands: tuple[Listed, ...] = ()
 
-    def load(self) -> typer.core.TyperCommand:
-        """The command itself: its module imported, its function made a click command."""
+    def load(self) -> TyperCommand | TyperGroup:
+        """The command itself: its module imported, its function made a click command (a
+        subgroup: its own lazy group)."""
+        if self.commands:
+            return lazy_group(*self.commands)(
+                name=self.name, help=self.help, no_args_is_help=True, hidden=self.hidden
+            )
         module, function = self.function.split(":")
         single = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-        single.command(self.name, short_help=self.help)(getattr(import_module(module), function))
+        single.command(self.name, short_help=self.help, hidden=self.hidden)(
+            getattr(import_module(module), function)
+        )
         return typer.main.get_command(single)
 
+    def listing(self) -> TyperCommand:
+        """The command as its group's --help lists it, nothing imported."""
+        return TyperCommand(
+            self.name, short_help=self.help, hidden=self.hidden, rich_help_panel=self.panel
+        )
 
-class _Commands(Mapping[str, TyperCommand]):
+
+class _Commands(Mapping[str, TyperCommand | TyperGroup]):
     """The group's commands by name, in listing order, each loaded when first looked up."""
 
     def __init__(self, listed: tuple[Listed, ...]) -> None:
         self._listed = {entry.name: entry for entry in listed}
-        self._loaded: dict[str, TyperCommand] = {}
+        self._loaded: dict[str, TyperCommand | TyperGroup] = {}
 
-    def __getitem__(self, name: str) -> TyperCommand:
+    def __getitem__(self, name: str) -> TyperCommand | TyperGroup:
         if name not in self._loaded:
             self._loaded[name] = self._listed[name].load()
         return self._loaded[name]
@@ -68,9 +86,7 @@ class LazyGroup(TyperGroup):
     def format_help(self, ctx, formatter) -> None:
         """The group's help, each command listed by its one-line help, none of them imported."""
         listing = copy.copy(self)
-        listing.commands = {
-            entry.name: TyperCommand(entry.name, short_help=entry.help) for entry in self.listed
-        }
+        listing.commands = {entry.name: entry.listing() for entry in self.listed}
         TyperGroup.format_help(listing, ctx, formatter)
 
 

@@ -18,12 +18,21 @@ checkpoints = deferred("raylane.tracking.checkpoints_hf")
 
 def import_(
     directory: Annotated[
-        Path, typer.Argument(help="Hugging Face checkpoint directory (config.json, safetensors).")
+        Path,
+        typer.Argument(
+            metavar="DIRECTORY",
+            help="Hugging Face checkpoint directory (config.json, safetensors).",
+        ),
     ],
     name: Annotated[str, typer.Option("--name", help="Registered model to add a version to.")],
     tracking_uri: TrackingUriOption = None,
 ) -> None:
-    """Register a Hugging Face checkpoint (Llama, Mistral, Qwen2) as a new model version."""
+    """Register a Hugging Face checkpoint as a new model version.
+
+    Llama, Mistral and Qwen2 checkpoints (config.json and safetensors).
+
+    Example: raylane import checkpoints/tiny-llama --name tiny-llama
+    """
     with user_mistakes(checkpoints.CheckpointError):
         done = checkpoints.import_checkpoint(directory, name, resolve_tracking_uri(tracking_uri))
     _report(f"registered {done.name} v{done.version} from {done.source} (sha256 {done.sha256})")
@@ -31,13 +40,23 @@ def import_(
 
 def export(
     model_uri: Annotated[
-        str, typer.Argument(help="Registered version: models:/NAME/VERSION or models:/NAME@ALIAS.")
+        str,
+        typer.Argument(
+            metavar="MODEL_URI",
+            help="Registered version: models:/NAME/VERSION or models:/NAME@ALIAS.",
+        ),
     ],
-    directory: Annotated[Path, typer.Argument(help="Directory to write (new or empty).")],
+    directory: Annotated[
+        Path, typer.Argument(metavar="DIRECTORY", help="Directory to write (new or empty).")
+    ],
     tracking_uri: TrackingUriOption = None,
 ) -> None:
-    """Write a registered Llama-family model (imported, or trained by raylane) as a Hugging
-    Face directory."""
+    """Write a registered Llama-family model as a Hugging Face directory.
+
+    An imported model, or one raylane trained.
+
+    Example: raylane export models:/tiny-llama/1 exported/tiny-llama
+    """
     with user_mistakes(checkpoints.CheckpointError):
         done = checkpoints.export_model(model_uri, directory, resolve_tracking_uri(tracking_uri))
     _report(f"wrote {done.directory} (transformers.AutoModelForCausalLM.from_pretrained loads it)")

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from raylane.cli.common import (
     DEFAULT_CONFIG,
+    PlanSetOption,
     SetOption,
     TuneSetOption,
     VerboseOption,
@@ -41,9 +42,11 @@ def tune(
     overrides: TuneSetOption = None,
     verbose: VerboseOption = False,
 ) -> None:
-    """Search parallelism layouts with Ray Tune on measured throughput; emit the best config.
+    """Search parallelism layouts with Ray Tune on measured throughput.
 
-    Example: raylane tune --config configs/tune/parallelism.yaml --set trial.epochs=3
+    The best layout is written as a runnable config.
+
+    Example: raylane tune --config configs/tune/parallelism.yaml -s trial.epochs=3
     """
     setup_logging(verbose)
     with user_mistakes():
@@ -86,13 +89,23 @@ CheckpointOption = Annotated[
 ]
 
 
+PLAN_CONFIG = Path("configs/plan/gpt_1p3b.yaml")
+
+
 def plan_layouts(
-    model: Annotated[
-        Path, typer.Option("--model", "-m", help="Training config of the (GPT) model to plan.")
-    ],
     cluster: Annotated[
         Path, typer.Option("--cluster", help="Cluster spec YAML (see configs/clusters/).")
     ],
+    config: Annotated[
+        Path | None,
+        typer.Option(
+            "--config", "-c", help=f"Training config of the GPT to plan [default: {PLAN_CONFIG}]."
+        ),
+    ] = None,
+    overrides: PlanSetOption = None,
+    model: Annotated[
+        Path | None, typer.Option("--model", "-m", hidden=True, help="The same as --config.")
+    ] = None,
     global_batch: Annotated[
         int | None,
         typer.Option(
@@ -116,36 +129,48 @@ def plan_layouts(
     restart_s: RestartOption = None,
     checkpoint_s: CheckpointOption = None,
 ) -> None:
-    """Predict the best layouts of a model on a cluster that need not exist here (step time,
-    memory per device; with --objective cost, cost per epoch on spot or on-demand capacity),
-    from its shape and a hardware catalog; write the winner's config.
+    """Predict the best layouts of a model on a cluster that need not exist here.
 
-    Example: raylane plan --model configs/plan/gpt_1p3b.yaml \\
+    From the model's shape and a hardware catalog: step time and memory per
+    device, or with --objective cost the cost per epoch on spot or on-demand
+    capacity. The winner is written as a config of what differs from the defaults.
+
+    Example: raylane plan -c configs/plan/gpt_1p3b.yaml \\
     --cluster configs/clusters/a100_4x8.yaml --objective cost
     """
+    if config is not None and model is not None:
+        raise fail("give --config or --model (its old name), not both")
+    config = config or model or PLAN_CONFIG
+    cost_terms = (epoch_tokens, restart_s, checkpoint_s)
+    _check_plan_options(precision, objective, cost_terms)
+    cfg = load(config, overrides)
+    cost_terms = cost_terms if objective == "cost" else None
+    suffix = "cost-plan" if objective == "cost" else "plan"
+    target = out or Path("configs/generated") / f"{cfg.experiment}-{suffix}.yaml"
+    _plan((config, overrides or []), cfg, cluster, global_batch,
+          precision or cfg.training.precision, efficiency, top, target, cost_terms)  # fmt: skip
+
+
+def _check_plan_options(precision: str | None, objective: str, cost_terms: tuple) -> None:
+    """One `error:` line for an option `raylane plan` cannot use."""
     if precision not in (None, "fp32", "tf32", "bf16"):
         raise fail(f"--precision must be fp32, tf32 or bf16, not {precision!r}")
     if objective not in ("time", "cost"):
         raise fail(f"--objective must be time or cost, not {objective!r}")
-    cost_options = (epoch_tokens, restart_s, checkpoint_s)
-    if objective == "time" and any(option is not None for option in cost_options):
+    if objective == "time" and any(term is not None for term in cost_terms):
         raise fail("--epoch-tokens, --restart-s and --checkpoint-s apply to --objective cost")
+    checkpoint_s = cost_terms[2]
     if checkpoint_s is not None and checkpoint_s <= 0:
         raise fail(f"--checkpoint-s must be above 0, not {checkpoint_s:g}")
-    cfg = load(model, None)
-    cost_terms = (epoch_tokens, restart_s, checkpoint_s) if objective == "cost" else None
-    suffix = "cost-plan" if objective == "cost" else "plan"
-    target = out or Path("configs/generated") / f"{cfg.experiment}-{suffix}.yaml"
-    _plan(model, cfg, cluster, global_batch, precision or cfg.training.precision, efficiency,
-          top, target, cost_terms)  # fmt: skip
 
 
 def _plan(
-    model: Path, cfg, cluster: Path, global_batch: int | None, precision: str,
+    base: tuple[Path, list[str]], cfg, cluster: Path, global_batch: int | None, precision: str,
     efficiency: float, top: int, target: Path, cost_terms: tuple | None,
 ) -> None:  # fmt: skip
-    """Plan, print and write; `cost_terms` (epoch tokens, restart s, checkpoint s, each None
-    for its default) ranks by cost instead of time."""
+    """Plan, print and write; `base` is the config and its `--set`s, `cost_terms` (epoch
+    tokens, restart s, checkpoint s, each None for its default) ranks by cost instead of
+    time."""
     try:
         hardware = load_cluster(cluster)
         work = workload_for(cfg, global_batch or cfg.training.batch_size, precision)
@@ -167,7 +192,7 @@ def _plan(
         render_costs(result, hardware, efficiency, out_console, top, epoch_source)
     else:
         render(result, hardware, efficiency, out_console, top)
-    written = write_config(model, result, target)
+    written = write_config(base[0], result, target, base[1])
     out_console.print(f"config: {written}", highlight=False)
 
 
@@ -199,8 +224,10 @@ def profile_cluster(
     ] = False,
     verbose: VerboseOption = False,
 ) -> None:
-    """Measure what the config's GPT blocks and the worker group's links cost (a short Ray
-    Train job); log it to MLflow and reuse it while model and cluster are unchanged.
+    """Measure what the config's GPT blocks and the worker group's links cost.
+
+    A short Ray Train job; the profile is logged to MLflow and reused while model
+    and cluster are unchanged.
 
     Example: raylane profile --config configs/train/lm_pipeline.yaml
     """

@@ -7,7 +7,10 @@ from raylane.data import DataError, ensure_dataset
 
 
 def prepare(config: ConfigOption = DEFAULT_CONFIG, overrides: SetOption = None) -> None:
-    """Materialise the config's dataset as Parquet (train and validation splits)."""
+    """Materialise the config's dataset as Parquet (train and validation splits).
+
+    Example: raylane prepare --config configs/train/lm_fsdp.yaml
+    """
     cfg = load(config, overrides)
     try:
         train, validation = ensure_dataset(cfg)

@@ -28,7 +28,10 @@ def quickstart(
     requests: Annotated[int, typer.Option(min=1, max=100, help="Rows to send.")] = 10,
     verbose: VerboseOption = False,
 ) -> None:
-    """Prepare, train (DDP), register, deploy, query the endpoint over HTTP, shut down."""
+    """Prepare, train (DDP), register, deploy, query over HTTP, shut down.
+
+    Example: raylane quickstart --requests 20
+    """
     setup_logging(verbose)
     cfg = load(config, overrides)
     with user_mistakes():

@@ -11,6 +11,7 @@ from rich.table import Table
 from raylane.cli.common import TrackingUriOption, VerboseOption, console, fail, setup_logging
 from raylane.cli.lazy import deferred
 from raylane.cli.running import on_ray
+from raylane.cli.store import SHORT_ID, find_run, open_store
 from raylane.tracking import resolve_tracking_uri
 
 # MLflow and torch (a run's weights): loaded once the arguments are checked.
@@ -18,19 +19,29 @@ compare_runs = deferred("raylane.tracking.compare")
 reproduction = deferred("raylane.reproduce")
 
 
+def _run_argument(metavar: str):
+    return Annotated[
+        str, typer.Argument(metavar=metavar, help="Run id, or its first 6 or more characters.")
+    ]
+
+
 def compare(
-    run_a: Annotated[str, typer.Argument(help="MLflow run id.")],
-    run_b: Annotated[str, typer.Argument(help="MLflow run id.")],
+    run_a: _run_argument("RUN_A"),
+    run_b: _run_argument("RUN_B"),
     tracking_uri: TrackingUriOption = None,
 ) -> None:
-    """What differs between two training runs: code, data, versions, cluster, config keys,
-    final metrics and weights."""
-    from mlflow.tracking import MlflowClient
+    """What differs between two training runs.
 
-    client = MlflowClient(tracking_uri=resolve_tracking_uri(tracking_uri))
+    Code, data, versions, cluster, config keys, final metrics and weights.
+
+    Example: raylane compare 3f2a9c01b7d4 8e1d0a6c5b2f
+    """
+    uri = resolve_tracking_uri(tracking_uri)
+    client = open_store(uri)
+    run_a, run_b = (find_run(client, uri, run).info.run_id for run in (run_a, run_b))
     try:
         records = [compare_runs.run_record(client, run) for run in (run_a, run_b)]
-    except Exception as exc:  # an unknown run id or an unreachable store
+    except Exception as exc:  # an artifact the store cannot hand back
         raise fail(str(exc).splitlines()[0]) from None
     found = compare_runs.differences(*records)
     if not found:
@@ -39,7 +50,7 @@ def compare(
         )
         return
     table = Table(title=f"{len(found)} differences")
-    for name in ("section", "key", run_a[:12], run_b[:12]):
+    for name in ("section", "key", run_a[:SHORT_ID], run_b[:SHORT_ID]):
         table.add_column(name, overflow="fold")
     for item in found:
         table.add_row(item.section, item.key, item.a, item.b)
@@ -47,24 +58,28 @@ def compare(
 
 
 def reproduce(
-    run_id: Annotated[str, typer.Argument(help="MLflow run id of the training run to repeat.")],
+    run_id: Annotated[
+        str,
+        typer.Argument(
+            metavar="RUN", help="The training run to repeat: its id, or its first 6+ characters."
+        ),
+    ],
     allow_drift: Annotated[
         bool, typer.Option(help="Run even when code, data, versions or cluster differ.")
     ] = False,
     tracking_uri: TrackingUriOption = None,
     verbose: VerboseOption = False,
 ) -> None:
-    """Re-run a training run from MLflow alone and say whether it came out identical."""
+    """Re-run a training run from MLflow alone and say whether it came out identical.
+
+    Example: raylane reproduce 3f2a9c01b7d4
+    """
     setup_logging(verbose)
     if tracking_uri:
         os.environ["MLFLOW_TRACKING_URI"] = tracking_uri
-    from mlflow.tracking import MlflowClient
-
-    client = MlflowClient(tracking_uri=resolve_tracking_uri(tracking_uri))
-    try:
-        client.get_run(run_id)
-    except Exception as exc:
-        raise fail(f"run {run_id}: {str(exc).splitlines()[0]}") from None
+    uri = resolve_tracking_uri(tracking_uri)
+    client = open_store(uri)
+    run_id = find_run(client, uri, run_id).info.run_id
     with on_ray(reproduction.DriftError):
         result = reproduction.reproduce(client, run_id, allow_drift=allow_drift, show=console.print)
     console.print(

@@ -25,11 +25,12 @@ from raylane.cli.common import (
 from raylane.cli.lazy import deferred
 from raylane.cli.running import on_ray, user_mistakes
 from raylane.cli.stopping import stopped_by
+from raylane.cli.store import open_store
 from raylane.config import RaylaneConfig
 from raylane.serving import APP_NAME
 from raylane.serving.ingress import apply_ingress_env
 from raylane.serving.leftovers import clear_before_local_serve
-from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
+from raylane.tracking import resolve_tracking_uri
 
 # Ray Serve and MLflow: loaded once the arguments and config are checked.
 registry = deferred("raylane.tracking.registry")
@@ -46,8 +47,13 @@ def deploy(
     ] = False,
     verbose: VerboseOption = False,
 ) -> None:
-    """Serve a registered model (blocks until Ctrl-C): Open Inference Protocol infer, or text
-    generation over an OpenAI-compatible API with `serving.api: generate`."""
+    """Serve a registered model on Ray Serve, until Ctrl-C (or --detach).
+
+    Open Inference Protocol infer, or text generation over an OpenAI-compatible
+    API with `serving.api: generate`.
+
+    Example: raylane deploy --config configs/train/lm_serve.yaml
+    """
     setup_logging(verbose)
     cfg = load(config, [*(overrides or []), *version_override(version)])
     if detach and not _cluster_address():
@@ -88,25 +94,49 @@ def _print_endpoint(cfg: RaylaneConfig, url: str) -> None:
 
 
 def promote(
-    version: Annotated[int, typer.Argument(min=1, help="Registry version to give the alias.")],
+    model: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="MODEL",
+            help="Registered model (default: the config's tracking.registered_model).",
+            show_default=False,
+        ),
+    ] = None,
+    version: Annotated[
+        str | None,
+        typer.Argument(
+            metavar="VERSION",
+            help="Registry version to give the alias (required).",
+            show_default=False,
+        ),
+    ] = None,
     config: ConfigOption = DEFAULT_CONFIG,
     overrides: ServingSetOption = None,
 ) -> None:
-    """Move the champion alias to VERSION; a running app (at $RAY_ADDRESS) rolls onto it."""
-    setup_logging()
-    cfg = load(config, overrides)
-    from mlflow.tracking import MlflowClient
+    """Move the champion alias to VERSION of MODEL (default: the config's).
 
+    A running app (at $RAY_ADDRESS) rolls onto it.
+
+    Example: raylane promote raylane-digits 3
+    """
+    setup_logging()
+    model, version = _promoted(model, version)
+    cfg = load(config, overrides)
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
-    name, alias = cfg.tracking.registered_model, cfg.tracking.champion_alias
+    name, alias = model or cfg.tracking.registered_model, cfg.tracking.champion_alias
+    client = open_store(tracking_uri)
     with user_mistakes():
-        check_tracking_reachable(tracking_uri)
-        registry.point_alias(
-            MlflowClient(tracking_uri=tracking_uri), tracking_uri, name, alias, version
-        )
+        registry.point_alias(client, tracking_uri, name, alias, version)
     console.print(f"{name}@{alias} -> v{version}", highlight=False)
     if not _cluster_address():
         console.print("no RAY_ADDRESS: no running app to roll (the next deploy serves it)")
+        return
+    if name != cfg.tracking.registered_model:
+        console.print(
+            f"{config} serves {cfg.tracking.registered_model}, not {name}: no app rolled (give "
+            "--config the config it was deployed with)",
+            highlight=False,
+        )
         return
     with on_ray():
         rolled = serve_app.roll_running_app(cfg)
@@ -116,9 +146,23 @@ def promote(
         console.print(f"{rolled[0]} now serves v{rolled[1]}", highlight=False)
 
 
+def _promoted(first: str | None, second: str | None) -> tuple[str | None, int]:
+    """`[MODEL] VERSION` as (model or None, version)."""
+    if first is None:
+        raise fail("promote needs VERSION, or MODEL VERSION (e.g. raylane promote 3)")
+    model, version = (None, first) if second is None else (first, second)
+    if not version.isdigit() or int(version) < 1:
+        raise fail(f"VERSION must be a registry version (1, 2, ...), not {version!r}")
+    return model, int(version)
+
+
 def status(config: ConfigOption = DEFAULT_CONFIG, overrides: ServingSetOption = None) -> None:
-    """Serve applications, deployments, replica counts and served model versions (needs
-    RAY_ADDRESS: a running cluster)."""
+    """Serve applications, deployments, replicas and served model versions.
+
+    Needs a running cluster at RAY_ADDRESS.
+
+    Example: RAY_ADDRESS=127.0.0.1:6379 raylane status
+    """
     cfg = load(config, overrides)
     if not _cluster_address():
         raise fail("status needs a running cluster: set RAY_ADDRESS (e.g. 127.0.0.1:6379)")

@@ -45,7 +45,13 @@ def train(
     ] = None,
     verbose: VerboseOption = False,
 ) -> None:
-    """Train with the config's parallelism strategy on Ray Train; track and register in MLflow."""
+    """Train with the config's parallelism strategy on Ray Train.
+
+    The run is tracked in MLflow and its model registered; the champion alias
+    moves to it when it scores better.
+
+    Example: raylane train -c configs/train/digits_ddp.yaml -s training.epochs=3
+    """
     setup_logging(verbose)
     cfg = _recorded(resume) if resume else load(config, overrides)
     phases = PhaseClock()
@@ -73,8 +79,13 @@ def finetune(
     overrides: SetOption = None,
     verbose: VerboseOption = False,
 ) -> None:
-    """Fine-tune a registered model (LoRA or every weight) on Ray Train; register the result
-    against its base."""
+    """Fine-tune a registered model (LoRA or every weight) on Ray Train.
+
+    The result is registered against its base, whose validation loss on the new
+    data is printed beside the fine-tuned model's.
+
+    Example: raylane finetune --config configs/finetune/lm_lora.yaml
+    """
     setup_logging(verbose)
     cfg = load(config, overrides)
     if cfg.finetune is None:

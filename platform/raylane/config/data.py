@@ -130,11 +130,18 @@ class DataConfig(StrictModel):
     )
     feed: Literal["auto", "memory", "ray_data"] = Field(
         "auto",
-        description="How workers read the splits. 'memory': the driver puts each split in "
-        "Ray's object store as two arrays and every worker takes its rows of each global batch "
-        "(no Ray Data actors to start: seconds less per job). 'ray_data': Ray Data streams "
-        "them (sharded across data-parallel workers), for data of any size. 'auto': memory "
-        "when cache is on and the two splits together are at most 64 MB on disk.",
+        description="How workers read the splits, and how source 'files' text and JSONL are "
+        "prepared. 'memory': the driver puts each split in Ray's object store as two arrays "
+        "and every worker takes its rows of each global batch (no Ray Data actors to start: "
+        "seconds less per job). 'ray_data': Ray Data streams them (sharded across "
+        "data-parallel workers), for data of any size. 'auto': memory when cache is on and the "
+        "two splits together are at most 64 MB on disk. Source 'files' text and JSONL are "
+        "prepared by Ray Data, streamed, never all in the driver's memory, under 'ray_data', "
+        "or 'auto' with more than 256 MiB of source files: each document goes to a split by "
+        "a seeded hash of its file's sha256 (and JSONL line), and the files are packed in "
+        "units of about 4 MiB, the tokens after each unit's last window dropped (manifest "
+        "`dropped_tokens`); the splits are then directories of Parquet files. Otherwise "
+        "(and always for tables) the driver reads, splits and packs them in memory.",
     )
 
     @property

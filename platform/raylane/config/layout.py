@@ -24,6 +24,10 @@ class ModelShape(Protocol):
     n_heads: int
     n_layers: int
 
+    def block_count(self) -> int: ...
+
+    def llama_tied(self) -> bool: ...
+
 
 class TrainingOptions(Protocol):
     """The `training:` values the layout rules read."""
@@ -62,7 +66,7 @@ def describe_stages(cfg: LayoutConfig) -> list[str]:
     """One line per pipeline stage naming what it holds, e.g. 'stage 0: embeddings, blocks 0-1'.
 
     A single line for unpipelined strategies."""
-    par, n_layers = cfg.parallelism, cfg.model.n_layers
+    par, n_layers = cfg.parallelism, cfg.model.block_count()
     shard = PRESETS[par.strategy].shard
     if par.pp == 1 and (shard or par.tp > 1):
         return [_describe_sharded(cfg)]
@@ -89,7 +93,9 @@ def describe_stages(cfg: LayoutConfig) -> list[str]:
 def _describe_sharded(cfg: LayoutConfig) -> str:
     par, dp = cfg.parallelism, replicas(cfg)
     parts = []
-    if par.tp > 1:
+    if par.tp > 1 and cfg.model.kind == "custom":
+        parts.append(f"each block split over {par.tp} workers by the model's tp_plan")
+    elif par.tp > 1:
         parts.append(
             f"each block's heads and MLP split over {par.tp} workers "
             f"({cfg.model.n_heads // par.tp} heads each)"
@@ -147,10 +153,10 @@ def _check_preset(par: ParallelismConfig) -> None:
 def _check_unpipelined(cfg: LayoutConfig) -> None:
     """Without stages: the workers split into whole groups of tp * cp, `dp` of them."""
     par = cfg.parallelism
-    if par.tp > 1 and cfg.model.kind not in ("gpt", "llama"):
+    if par.tp > 1 and cfg.model.kind not in ("gpt", "llama", "custom"):
         raise ValueError(
             f"parallelism.tp {par.tp} splits transformer blocks; model.kind must be 'gpt', not "
-            f"'{cfg.model.kind}' (or 'llama')"
+            f"'{cfg.model.kind}' (or 'llama', or 'custom' with a tp_plan)"
         )
     factors = {"dp": par.dp, "tp": par.tp, "cp": par.cp}
     split = [k for k in ("tp", "cp") if factors[k] > 1]
@@ -231,10 +237,10 @@ def _check_compression(par: ParallelismConfig) -> None:
 
 def _check_options(cfg: LayoutConfig) -> None:
     par = cfg.parallelism
-    if cfg.training.activation_checkpointing and cfg.model.kind != "gpt":
+    if cfg.training.activation_checkpointing and cfg.model.kind not in ("gpt", "custom"):
         raise ValueError(
             "training.activation_checkpointing recomputes transformer blocks; model.kind must "
-            f"be 'gpt', not '{cfg.model.kind}'"
+            f"be 'gpt' (or 'custom', by its blocks), not '{cfg.model.kind}'"
         )
     if par.grad_compression != "none":
         _check_compression(par)
@@ -283,7 +289,8 @@ def _check_options(cfg: LayoutConfig) -> None:
 
 
 def _check_context(cfg: LayoutConfig) -> None:
-    """Context parallelism: a gpt's sequences split over `cp` workers of a ddp or tp layout."""
+    """Context parallelism: a gpt's or llama's sequences split over `cp` workers of a ddp or tp
+    layout."""
     par = cfg.parallelism
     if not PRESETS[par.strategy].cp or par.pp != 1:
         raise ValueError(
@@ -291,8 +298,15 @@ def _check_context(cfg: LayoutConfig) -> None:
             f"{listed(names('cp'))} layout (replicas, tensor parallelism); not strategy "
             f"'{par.strategy}' with pp {par.pp}"
         )
-    if cfg.model.kind != "gpt":
-        raise ValueError("parallelism.cp splits token sequences; model.kind must be 'gpt'")
+    if cfg.model.kind == "custom":
+        raise ValueError(
+            f"parallelism.cp {par.cp} splits a gpt's attention over workers (ring attention); a "
+            "custom model (model.kind 'custom') has no context-parallel plan: set cp 1"
+        )
+    if cfg.model.kind not in ("gpt", "llama"):
+        raise ValueError(
+            "parallelism.cp splits token sequences; model.kind must be 'gpt' or 'llama'"
+        )
     if cfg.model.input_dim % (2 * par.cp):
         raise ValueError(
             f"parallelism.cp {par.cp} cuts each sequence into 2 * cp = {2 * par.cp} equal "
@@ -304,10 +318,20 @@ def _check_context(cfg: LayoutConfig) -> None:
 
 def _check_pipelined(cfg: LayoutConfig) -> None:
     par = cfg.parallelism
-    if cfg.model.kind != "gpt":
+    if cfg.model.kind == "custom":
+        raise ValueError(
+            f"parallelism.pp {par.pp} cuts a gpt's blocks into pipeline stages; a custom model "
+            "(model.kind 'custom') has no stage plan: set pp 1"
+        )
+    if cfg.model.kind not in ("gpt", "llama"):
         raise ValueError(
             f"parallelism.pp {par.pp} splits transformer blocks into stages; model.kind must "
-            f"be 'gpt', not '{cfg.model.kind}'"
+            f"be 'gpt' or 'llama', not '{cfg.model.kind}'"
+        )
+    if cfg.model.kind == "llama" and cfg.model.llama_tied():
+        raise ValueError(
+            f"parallelism.pp {par.pp} puts the embedding on the first stage and the head on the "
+            "last; a llama whose head is its embedding (tie_word_embeddings) cannot be split so"
         )
     if par.dp * par.pp * par.tp != par.workers:
         product = par.dp * par.pp * par.tp
@@ -332,7 +356,7 @@ def _check_pipelined(cfg: LayoutConfig) -> None:
 
 def _check_split(cfg: LayoutConfig) -> None:
     """The blocks divide evenly over the stages, or `split_points` says where to cut."""
-    par, n_layers = cfg.parallelism, cfg.model.n_layers
+    par, n_layers = cfg.parallelism, cfg.model.block_count()
     if par.split_points is None:
         if n_layers % par.pp:
             raise ValueError(

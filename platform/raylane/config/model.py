@@ -1,12 +1,20 @@
 """`model:`: the architecture (the classifiers, raylane's GPT, a Llama-family decoder built
-from its hyperparameters or a Hugging Face checkpoint)."""
+from its hyperparameters or a Hugging Face checkpoint, or a user's own torch module built by a
+factory function: `kind: custom`)."""
 
 from __future__ import annotations
 
+import difflib
+import hashlib
+import importlib
 import json
 import math
+import os
+import re
+import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -15,14 +23,40 @@ from raylane.config.strict import StrictModel
 DIGITS_FEATURES = 64
 DIGITS_CLASSES = 10
 
+#: `package.module:function`: a dotted module path, a colon, the function's name.
+FACTORY_FORM = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
+#: The fields only a custom model reads.
+CUSTOM_FIELDS = ("factory", "args", "block_class")
+
 
 class ModelConfig(StrictModel):
-    kind: Literal["mlp", "cnn", "gpt", "llama"] = Field(
+    kind: Literal["mlp", "cnn", "gpt", "llama", "custom"] = Field(
         "mlp",
         description="Architecture: 'mlp' (fully connected), 'cnn' (convolutions over a square "
-        "image; more compute per parameter), 'gpt' (byte-level decoder-only transformer) or "
+        "image; more compute per parameter), 'gpt' (byte-level decoder-only transformer), "
         "'llama' (a Llama-family decoder: grouped-query attention, rotary positions, SwiGLU; "
-        "random, or a Hugging Face checkpoint's with `pretrained`).",
+        "random, or a Hugging Face checkpoint's with `pretrained`) or 'custom' (your own torch "
+        "module, built by `factory`).",
+    )
+    factory: str | None = Field(
+        None,
+        description="custom: 'package.module:function' that builds the model, imported from the "
+        "working directory or an installed package and called with `args` as keyword "
+        "arguments. It returns an nn.Module, or a pair (module, loss_fn) where "
+        "loss_fn(outputs, labels) is a scalar tensor (else cross-entropy over the outputs' last "
+        "dimension). Validation reports and accuracy stay cross-entropy and argmax.",
+    )
+    args: dict[str, Any] = Field(
+        default_factory=dict,
+        description="custom: keyword arguments of `factory` (input_dim and num_classes are not "
+        "passed: give them here too if the factory takes them).",
+    )
+    block_class: str | None = Field(
+        None,
+        description="custom: class name of the model's repeated blocks, the units FSDP shards "
+        "one at a time, activation checkpointing recomputes and compile compiles. None: the "
+        "children of one class (defined outside torch) that the model holds two or more of, "
+        "if any; else the model is one unit.",
     )
     input_dim: int = Field(
         DIGITS_FEATURES,
@@ -119,6 +153,36 @@ class ModelConfig(StrictModel):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_custom(self) -> ModelConfig:
+        """A custom model names an importable factory; the other kinds take none of its fields.
+        Calling the factory (a model on the meta device, what it returns) is the preflight's
+        (`raylane.models.custom.check_custom_model`): that needs torch."""
+        if self.kind != "custom":
+            given = [name for name in CUSTOM_FIELDS if getattr(self, name)]
+            if given:
+                raise ValueError(f"model.{given[0]} is read by kind 'custom', not '{self.kind}'")
+            return self
+        if self.factory is None:
+            raise ValueError("model.kind 'custom' needs model.factory: 'package.module:function'")
+        import_factory(self.factory)
+        return self
+
+    def factory_tags(self) -> dict[str, str]:
+        """custom: the factory and the sha256 of its module's source file, as run tags (what
+        built the weights, beside the run's `model.args` params); {} for the other kinds."""
+        if self.kind != "custom" or self.factory is None:
+            return {}
+        module = sys.modules.get(self.factory.partition(":")[0])
+        path = getattr(module, "__file__", None)
+        tags = {"raylane.model_factory": self.factory}
+        if path is not None:
+            tags["raylane.model_factory_file"] = path
+            tags["raylane.model_factory_sha256"] = hashlib.sha256(
+                Path(path).read_bytes()
+            ).hexdigest()
+        return tags
+
     def pretrained_config(self) -> dict:
         """The `pretrained` checkpoint's config.json (a few hundred bytes)."""
         return json.loads((self.pretrained / "config.json").read_text())
@@ -148,6 +212,13 @@ class ModelConfig(StrictModel):
             return bool(self.pretrained_config().get("tie_word_embeddings", False))
         return self.tie_embeddings
 
+    def block_count(self) -> int:
+        """The transformer blocks a pipeline cuts into stages: the checkpoint's
+        num_hidden_layers when `pretrained`, else n_layers."""
+        if self.pretrained is not None:
+            return int(self.pretrained_config().get("num_hidden_layers", self.n_layers))
+        return self.n_layers
+
     def _check_pretrained(self, directory: Path) -> ModelConfig:
         """The checkpoint's vocabulary is the classes; its context bounds the training one.
         Only sizes are read here (the architecture is checked when the model is built)."""
@@ -167,3 +238,53 @@ class ModelConfig(StrictModel):
                 f"max_position_embeddings {context}"
             )
         return self
+
+
+def import_factory(spec: str) -> Callable[..., Any]:
+    """The function `spec` ('package.module:function') names, imported from the working
+    directory (added to `sys.path`, as `python -m` would) or an installed package. Raises
+    ValueError, one line naming `model.factory`, when it cannot be."""
+    if not FACTORY_FORM.fullmatch(spec):
+        raise ValueError(
+            f"model.factory {spec!r} is not 'package.module:function' (e.g. 'my_model:build')"
+        )
+    module_name, _, name = spec.partition(":")
+    module = _import_module(module_name)
+    if not hasattr(module, name):
+        public = [n for n in dir(module) if not n.startswith("_")]
+        close = difflib.get_close_matches(name, public, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(
+            f"model.factory: module {module_name!r} ({getattr(module, '__file__', None)}) has "
+            f"no attribute {name!r}{hint}"
+        )
+    factory = getattr(module, name)
+    if not callable(factory):
+        raise ValueError(
+            f"model.factory: {spec} is a {type(factory).__name__}, not a function to call"
+        )
+    return factory
+
+
+def _import_module(name: str):
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        missing = exc.name or ""
+        if name == missing or name.startswith(f"{missing}."):  # the module itself, or a parent
+            raise ValueError(
+                f"model.factory: module {name!r} is not importable from the working directory "
+                f"({cwd}) nor an installed package"
+            ) from None
+        raise ValueError(f"model.factory: importing {name!r} raised {one_line(exc)}") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module failed: say so in one line
+        raise ValueError(f"model.factory: importing {name!r} raised {one_line(exc)}") from None
+
+
+def one_line(exc: BaseException) -> str:
+    """`Type: first line of the message`."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__

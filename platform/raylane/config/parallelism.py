@@ -217,7 +217,7 @@ class ParallelismConfig(StrictModel):
     straggler: StragglerConfig | None = Field(
         None,
         description="Make workers slow on purpose: {rank (one or a list taking turns), "
-        "every, delay_s, first_epoch, last_epoch}; see README, Communication and consistency.",
+        "every, delay_s, first_epoch, last_epoch}; see docs/guides/consistency.md.",
     )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
         "PACK", description="Ray placement strategy of the worker group."

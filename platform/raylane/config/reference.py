@@ -1,9 +1,16 @@
-"""The configuration reference (README section), generated from the schema's descriptions."""
+"""The configuration reference, generated from the schema: the documentation site's page of
+every field (docs/reference/configuration.md, between its markers) and the run config's JSON
+Schema for editors (docs/reference/raylane-config.schema.json).
+
+`PYTHONPATH=platform python -m raylane.config.reference` rewrites both, from the repository root.
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
@@ -12,6 +19,8 @@ from raylane.config.schema import RaylaneConfig
 
 BEGIN = "<!-- config-reference:begin -->"
 END = "<!-- config-reference:end -->"
+REFERENCE_PAGE = Path("docs/reference/configuration.md")
+JSON_SCHEMA = Path("docs/reference/raylane-config.schema.json")
 
 
 def _fields(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, str, str]]:
@@ -36,13 +45,34 @@ def config_reference_markdown() -> str:
     return "\n".join(lines)
 
 
-def render_into(readme: str) -> str:
-    """`readme` with the text between the reference markers replaced by a fresh table."""
-    head, _, rest = readme.partition(BEGIN)
+def render_into(page: str) -> str:
+    """`page` with the text between the reference markers replaced by a fresh table."""
+    head, _, rest = page.partition(BEGIN)
     _, _, tail = rest.partition(END)
     return f"{head}{BEGIN}\n{config_reference_markdown()}\n{END}{tail}"
 
 
+def config_json_schema() -> dict[str, Any]:
+    """The run config as JSON Schema (draft 2020-12), as pydantic describes it, plus what a
+    before-validator accepts and pydantic cannot see: `parallelism.workers` as an elastic range
+    `{min, max}` (stored as `workers: max, min_workers: min`)."""
+    schema = RaylaneConfig.model_json_schema()
+    workers = schema["$defs"]["ParallelismConfig"]["properties"]["workers"]
+    count = {k: workers.pop(k) for k in ("type", "minimum") if k in workers}
+    elastic = {
+        "type": "object",
+        "properties": {"min": count, "max": count},
+        "required": ["min", "max"],
+        "additionalProperties": False,
+    }
+    workers["anyOf"] = [count, elastic]
+    return {"$schema": "https://json-schema.org/draft/2020-12/schema", **schema}
+
+
+def config_json_schema_text() -> str:
+    return json.dumps(config_json_schema(), indent=2, ensure_ascii=False) + "\n"
+
+
 if __name__ == "__main__":
-    path = Path("README.md")
-    path.write_text(render_into(path.read_text()))
+    REFERENCE_PAGE.write_text(render_into(REFERENCE_PAGE.read_text()))
+    JSON_SCHEMA.write_text(config_json_schema_text())

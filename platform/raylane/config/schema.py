@@ -1,8 +1,9 @@
 """The run configuration schema: the top level and the training and tracking sections
 (`data:`, `model:`, `parallelism:` and `serving:` have modules of their own).
 
-Every field carries a description: it is the documentation (README reference, `--help`, JSON
-Schema). Unknown keys are errors, and cross-field checks raise sentences a user understands.
+Every field carries a description: it is the documentation (docs/reference/configuration.md,
+`--help`, JSON Schema). Unknown keys are errors, and cross-field checks raise sentences a user
+understands.
 """
 
 from __future__ import annotations
@@ -178,16 +179,22 @@ class RaylaneConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_llama_support(self) -> RaylaneConfig:
-        """A llama trains where every worker holds whole blocks in lockstep or splits them by
-        its tensor-parallel plan (`raylane.models.llama_plan`); its pipeline and context
-        parallel plans do not exist yet."""
+        """A llama trains where its workers agree in lockstep (all-reduce or sharding): whole
+        blocks per worker, split by its tensor-parallel plan (`raylane.models.llama_plan`), cut
+        into pipeline stages, or each sequence split over context-parallel workers; pipeline or
+        context parallelism combined with its tensor-parallel plan is not proven yet."""
         if self.model.kind != "llama":
             return self
         par, dims = self.parallelism, self.parallelism.dims
-        if dims.sync.kind != "all_reduce" or dims.pp_enabled or dims.cp_enabled:
+        if dims.sync.kind != "all_reduce":
             raise ValueError(
-                f"model.kind 'llama' trains with strategy 'ddp' or 'fsdp' or 'tp' and pp, cp 1 "
-                f"(got '{par.strategy}', tp {par.tp}, pp {par.pp}, cp {par.cp})"
+                f"model.kind 'llama' trains with strategy 'ddp', 'fsdp', 'tp', 'pipeline' or "
+                f"'hybrid' (got '{par.strategy}')"
+            )
+        if dims.tp_enabled and (dims.pp_enabled or dims.cp_enabled):
+            raise ValueError(
+                f"model.kind 'llama' splits by tensor parallelism (tp {par.tp}) or by pipeline "
+                f"stages / context parallelism, not both yet (got pp {par.pp}, cp {par.cp})"
             )
         if self.data.source == "sklearn-digits":
             raise ValueError(
@@ -212,9 +219,9 @@ class RaylaneConfig(StrictModel):
     def _check_finetune(self) -> RaylaneConfig:
         if self.finetune is None:
             return self
-        if self.model.kind != "gpt":
+        if self.model.kind not in ("gpt", "llama"):
             raise ValueError(
-                f"finetune adapts a registered gpt language model; model.kind is "
+                f"finetune adapts a registered language model (gpt or llama); model.kind is "
                 f"'{self.model.kind}'"
             )
         par, dims = self.parallelism, self.parallelism.dims
@@ -273,9 +280,9 @@ class RaylaneConfig(StrictModel):
                     f"model.num_classes is {self.model.num_classes} but {self.data.source} "
                     "is byte-level (256 tokens)"
                 )
-        if self.serving.api == "generate" and self.model.kind != "gpt":
+        if self.serving.api == "generate" and self.model.kind not in ("gpt", "llama"):
             raise ValueError(
-                f"serving.api 'generate' needs a gpt language model, not model.kind "
+                f"serving.api 'generate' needs a language model (gpt or llama), not model.kind "
                 f"'{self.model.kind}'"
             )
         if self.data.source == "sklearn-digits" and self.model.kind == "gpt":

@@ -97,9 +97,9 @@ class ServingConfig(StrictModel):
     api: Literal["infer", "generate"] = Field(
         "infer",
         description="What the endpoint answers: 'infer' (Open Inference Protocol v2 infer on "
-        "the model's outputs, /v2/models/{model_name}/infer) or 'generate' (a gpt language "
-        "model's text: OpenAI-compatible /v1/completions, /v1/chat/completions, /v1/models, "
-        "and /v2/models/{model_name}/generate[_stream]).",
+        "the model's outputs, /v2/models/{model_name}/infer) or 'generate' (a gpt or llama "
+        "language model's text: OpenAI-compatible /v1/completions, /v1/chat/completions, "
+        "/v1/models, and /v2/models/{model_name}/generate[_stream]).",
     )
     generation: GenerationConfig = Field(
         default_factory=GenerationConfig, description="Text generation (api: generate)."
@@ -126,7 +126,7 @@ class ServingConfig(StrictModel):
         description="HTTP ingress of a Ray that raylane starts: 'haproxy' (Serve's HAProxy in "
         "front of replicas listening on their own ports, 127.0.0.1:30000-31000 by default) or "
         "'proxy' (Serve's Python proxy). A `ray start` cluster takes it from the environment "
-        "of `ray start` (see README, Serving).",
+        "of `ray start` (see docs/guides/production.md).",
     )
     model_name: str = Field(
         "digits",

@@ -23,6 +23,7 @@ ROLES = ("system", "user", "assistant")
 DEFAULT_CHAT_TEMPLATE = (
     "{% for message in messages %}{% if not loop.first %}{{ '\\n' }}{% endif %}"
     "<|{{ message.role }}|>{{ '\\n' }}{{ message.content }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '\\n' }}<|assistant|>{{ '\\n' }}{% endif %}"
 )
 
 
@@ -86,13 +87,24 @@ class ChatTemplate:
         except TemplateSyntaxError as exc:
             raise DataError(f"data.chat_template: {exc.message} (line {exc.lineno})") from None
         self._tokens = {"bos_token": bos_token, "eos_token": eos_token}
+        self.source = source
 
-    def _render(self, messages: list[dict]) -> str:
-        from jinja2 import TemplateError
+    def __reduce__(self) -> tuple:
+        # Compiled Jinja does not pickle; Ray Data's workers compile the source again.
+        return (_compiled, (self.source, self._tokens["bos_token"], self._tokens["eos_token"]))
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The conversation as the template writes it; with `add_generation_prompt`, followed
+        by what opens the assistant's reply (as `transformers`' `apply_chat_template`).
+
+        Raises:
+            BadRow: the template refused the messages (its `raise_exception`, or an error).
+        """
+        from jinja2 import TemplateError  # lazy: only chat rows need Jinja
 
         try:
             return self._template.render(
-                messages=messages, add_generation_prompt=False, **self._tokens
+                messages=messages, add_generation_prompt=add_generation_prompt, **self._tokens
             )
         except TemplateError as exc:
             raise BadRow(f"chat_template: {exc}") from None
@@ -103,8 +115,8 @@ class ChatTemplate:
         marked = [
             {**m, "content": f"\ue000raylane-content-{i}\ue001"} for i, m in enumerate(messages)
         ]
-        layout = _MARKER.split(self._render(marked))
-        text = self._render(messages)
+        layout = _MARKER.split(self.render(marked))
+        text = self.render(messages)
         # A template may trim contents (Hugging Face's often do): try them as they are, then so.
         learnt = [m["role"] == "assistant" for m in messages]
         verbatim = [m["content"] for m in messages]
@@ -144,6 +156,10 @@ def _fill(
             else:
                 pieces.append(piece)
     return tuple(pieces)
+
+
+def _compiled(source: str, bos_token: str, eos_token: str) -> ChatTemplate:
+    return ChatTemplate(source, bos_token=bos_token, eos_token=eos_token)
 
 
 def _raise_exception(message: str) -> None:

@@ -90,10 +90,11 @@ def file_format(path: Path, configured: str) -> str:
     raise DataError(f"{path}: {AUTO_FORMATS}, not {suffix or 'no suffix'}; set data.format")
 
 
-def warn_skipped(skipped: list[str]) -> None:
-    """The warning that bad rows were left out: how many, and the first one's reason."""
+def warn_skipped(skipped: list[str], count: int | None = None) -> None:
+    """The warning that bad rows were left out: how many (`count`, else all of `skipped`), and
+    the first one's reason."""
     if skipped:
-        count = len(skipped)
+        count = len(skipped) if count is None else count
         log.warning(
             "data.files: skipped %d bad row%s (data.on_bad_rows: skip); the first: %s",
             count,
@@ -124,16 +125,21 @@ def read_corpus(files: list[Path], data: DataConfig, chat: Callable[[Any], tuple
 
 
 def text_document(path: Path) -> Document | str:
-    """A text file as one document, or the reason it cannot be one (a UTF-8 byte-order mark,
-    which some editors write, is not text)."""
-    raw = path.read_bytes().removeprefix(codecs.BOM_UTF8)
+    """A text file as one document, or the reason it cannot be one."""
+    return text_bytes_document(str(path), path.read_bytes())
+
+
+def text_bytes_document(origin: str, raw: bytes) -> Document | str:
+    """A text file's bytes as one document, or the reason they cannot be one (a UTF-8
+    byte-order mark, which some editors write, is not text)."""
+    raw = raw.removeprefix(codecs.BOM_UTF8)
     if not raw.strip():
-        return f"{path}: empty file"
+        return f"{origin}: empty file"
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        return f"{path}: not UTF-8 at byte {exc.start}"
-    return Document(str(path), (Piece(text, True),))
+        return f"{origin}: not UTF-8 at byte {exc.start}"
+    return Document(origin, (Piece(text, True),))
 
 
 def jsonl_documents(
@@ -142,13 +148,28 @@ def jsonl_documents(
     """Each non-blank line of a JSONL file as a document, or the reason it cannot be one; a
     leading byte-order mark is skipped (byte offsets in messages still count it)."""
     raw = path.read_bytes()
-    if raw.startswith(codecs.BOM_UTF8):
-        raw = b" " * len(codecs.BOM_UTF8) + raw[len(codecs.BOM_UTF8) :]
-    if not raw.strip():
+    if not raw.removeprefix(codecs.BOM_UTF8).strip():
         yield f"{path}: empty file"
         return
-    offset = 0
-    for number, line in enumerate(raw.split(b"\n"), start=1):
+    for _, item in jsonl_lines(str(path), raw, text_field, chat):
+        yield item
+
+
+def jsonl_lines(
+    path: str,
+    raw: bytes,
+    text_field: str,
+    chat: Callable[[Any], tuple],
+    first_line: int = 1,
+    first_byte: int = 0,
+) -> Iterator[tuple[int, Document | str]]:
+    """`(LINE, document or reason)` of each non-blank line of `raw`: a JSONL file's bytes, or
+    the whole lines of it that start at byte `first_byte`, line `first_line` (messages name
+    the file's own lines and byte offsets)."""
+    if first_byte == 0 and raw.startswith(codecs.BOM_UTF8):
+        raw = b" " * len(codecs.BOM_UTF8) + raw[len(codecs.BOM_UTF8) :]
+    offset = first_byte
+    for number, line in enumerate(raw.split(b"\n"), start=first_line):
         start, offset = offset, offset + len(line) + 1
         if not line.strip():
             continue
@@ -156,15 +177,15 @@ def jsonl_documents(
         try:
             row = json.loads(line.decode("utf-8"))
         except UnicodeDecodeError as exc:
-            yield f"{where}: not UTF-8 at byte {start + exc.start}"
+            yield number, f"{where}: not UTF-8 at byte {start + exc.start}"
             continue
         except json.JSONDecodeError as exc:
-            yield f"{where}: not valid JSON ({exc.msg} at column {exc.colno})"
+            yield number, f"{where}: not valid JSON ({exc.msg} at column {exc.colno})"
             continue
         try:
-            yield Document(where, row_pieces(row, text_field, chat))
+            yield number, Document(where, row_pieces(row, text_field, chat))
         except BadRow as exc:
-            yield f"{where}: {exc}"
+            yield number, f"{where}: {exc}"
 
 
 def row_pieces(row: Any, text_field: str, chat: Callable[[Any], tuple]) -> tuple[Piece, ...]:

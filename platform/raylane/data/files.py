@@ -17,7 +17,7 @@ from pathlib import Path
 
 from raylane.config import RaylaneConfig
 from raylane.data.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
-from raylane.data.corpus import Corpus, file_format, read_corpus, resolve_files, warn_skipped
+from raylane.data.corpus import file_format, read_corpus, resolve_files, warn_skipped
 from raylane.data.errors import DataError
 from raylane.data.packing import Packed, pack, split_documents
 from raylane.data.prepare import write_split
@@ -39,6 +39,8 @@ PREPARATION_VERSION = 2
 #: Data fields that do not change the prepared rows.
 _UNUSED_FIELDS = {"cache", "feed", "max_bytes"}
 _PATH_FIELDS = {"files", "train_path", "validation_path"}
+#: Text and JSONL sources above this many bytes are prepared by Ray Data under `data.feed: auto`.
+STREAMING_SOURCE_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,7 @@ class Sources:
     files: list[Path]
     entries: list[dict]
     fingerprint: str
+    streaming: bool = False  # prepared by Ray Data (`raylane.data.streaming`), see `streams`
 
 
 def file_entry(path: Path) -> dict:
@@ -63,6 +66,17 @@ def given_tokenizer_path(cfg: RaylaneConfig) -> Path | None:
     """The tokenizer.json `data.tokenizer` names, None for 'bytes' or a BPE to train."""
     spec = cfg.data.tokenizer
     return Path(spec) if isinstance(spec, str) and spec != "bytes" else None
+
+
+def streams(cfg: RaylaneConfig, files: list[Path], entries: list[dict]) -> bool:
+    """Whether text and JSONL files are prepared by Ray Data, streamed, instead of in the
+    driver's memory: under `data.feed: ray_data`, or `auto` with more than
+    `STREAMING_SOURCE_BYTES` of sources. Tables are always prepared in memory."""
+    data = cfg.data
+    if data.feed == "memory" or is_table(files, data.format):
+        return False
+    large = sum(entry["bytes"] for entry in entries) > STREAMING_SOURCE_BYTES
+    return data.feed == "ray_data" or large
 
 
 def find_sources(cfg: RaylaneConfig) -> Sources:
@@ -85,8 +99,11 @@ def find_sources(cfg: RaylaneConfig) -> Sources:
         "files": [_content(entry) for entry in entries],
         "tokenizer_files": [_content(file_entry(path)) for path in beside if path.is_file()],
     }
+    streaming = streams(cfg, files, entries)
+    if streaming:  # another split rule and packing (absent: earlier manifests still match)
+        record["streaming"] = True
     fingerprint = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
-    return Sources(files, entries, fingerprint)
+    return Sources(files, entries, fingerprint, streaming)
 
 
 def _content(entry: dict) -> dict:
@@ -115,31 +132,33 @@ def prepare_files(cfg: RaylaneConfig, sources: Sources | None = None) -> tuple[i
     data, context = cfg.data, cfg.model.input_dim
     sources = sources or find_sources(cfg)
     if is_table(sources.files, data.format):
-        _write_tokenizer(Path(data.train_path).parent / TOKENIZER_FILE, BYTES)  # none left
+        write_tokenizer(Path(data.train_path).parent / TOKENIZER_FILE, BYTES)  # none left
         return prepare_table(cfg, sources)
     given_path = given_tokenizer_path(cfg)
     given = None if given_path is None else load_tokenizer(given_path)
     if given is not None:
         check_vocabulary(given, cfg.model.num_classes)
-    template, template_origin = _chat_template(cfg, given)
+    template, template_origin = chat_template_for(cfg, given)
     corpus = read_corpus(sources.files, data, template.pieces)
     train_docs, validation_docs = split_documents(
         corpus.documents, data.validation_fraction, data.split_seed
     )
-    tokenizer = given or _tokenizer_for(cfg, [document.text for document in train_docs])
+    tokenizer = given or tokenizer_for(cfg, [document.text for document in train_docs])
     check_vocabulary(tokenizer, cfg.model.num_classes)
     splits = {
         "train": pack(train_docs, tokenizer, context),
         "validation": pack(validation_docs, tokenizer, context),
     }
     for name, packed in splits.items():
-        _check_windows(cfg, name, packed)
+        check_windows(cfg, name, len(packed.inputs), packed.tokens)
     manifest_path = Path(data.train_path).parent / MANIFEST
     manifest_path.unlink(missing_ok=True)  # no fingerprint vouches for half-written splits
     for name, path in (("train", data.train_path), ("validation", data.validation_path)):
         write_split(path, splits[name].inputs, splits[name].labels, data)
-    _write_tokenizer(Path(data.train_path).parent / TOKENIZER_FILE, tokenizer)
-    manifest = _manifest(cfg, sources, corpus, tokenizer, splits)
+    write_tokenizer(Path(data.train_path).parent / TOKENIZER_FILE, tokenizer)
+    first = corpus.skipped[0] if corpus.skipped else None
+    counts = packed_counts(splits)
+    manifest = manifest_record(cfg, sources, tokenizer, counts, (len(corpus.skipped), first))
     manifest["chat_template"] = template_origin
     manifest["documents"] = {"train": len(train_docs), "validation": len(validation_docs)}
     manifest_path.write_text(json.dumps(manifest, indent=2))
@@ -147,7 +166,7 @@ def prepare_files(cfg: RaylaneConfig, sources: Sources | None = None) -> tuple[i
     return len(splits["train"].inputs), len(splits["validation"].inputs)
 
 
-def _chat_template(cfg: RaylaneConfig, given: Tokenizer | None) -> tuple[ChatTemplate, dict]:
+def chat_template_for(cfg: RaylaneConfig, given: Tokenizer | None) -> tuple[ChatTemplate, dict]:
     """The template chat rows are rendered with, and where it came from (for the manifest):
     data.chat_template, else a given tokenizer's tokenizer_config.json, else raylane's."""
     configured = cfg.data.chat_template
@@ -165,23 +184,24 @@ def _chat_template(cfg: RaylaneConfig, given: Tokenizer | None) -> tuple[ChatTem
     return ChatTemplate(source, bos_token=bos, eos_token=eos), {"from": origin, "sha256": digest}
 
 
-def _tokenizer_for(cfg: RaylaneConfig, train_texts: list[str]) -> Tokenizer:
+def tokenizer_for(cfg: RaylaneConfig, train_texts: list[str]) -> Tokenizer:
     """Bytes, or a BPE trained on the training split's documents."""
     spec = cfg.data.tokenizer
     return BYTES if spec == "bytes" else train_bpe(train_texts, spec.train.vocab_size)
 
 
-def _check_windows(cfg: RaylaneConfig, name: str, packed: Packed) -> None:
-    if len(packed.inputs):
+def check_windows(cfg: RaylaneConfig, name: str, windows: int, tokens: int) -> None:
+    """A split without a single window is an error naming its tokens."""
+    if windows:
         return
     hint = " or raise data.validation_fraction" if name == "validation" else ""
     raise DataError(
-        f"data.files: the {name} split's {packed.tokens} tokens make no window of "
+        f"data.files: the {name} split's {tokens} tokens make no window of "
         f"model.input_dim {cfg.model.input_dim} (+1) with a learnt label; add documents{hint}"
     )
 
 
-def _write_tokenizer(path: Path, tokenizer: Tokenizer) -> None:
+def write_tokenizer(path: Path, tokenizer: Tokenizer) -> None:
     """The tokenizer beside the splits; for bytes none (and none left from an earlier one)."""
     content = tokenizer.file_bytes()
     if content is None:
@@ -192,13 +212,15 @@ def _write_tokenizer(path: Path, tokenizer: Tokenizer) -> None:
     tmp.replace(path)
 
 
-def _manifest(
+def manifest_record(
     cfg: RaylaneConfig,
     sources: Sources,
-    corpus: Corpus,
     tokenizer: Tokenizer,
-    splits: dict[str, Packed],
+    counts: dict[str, dict[str, int]],
+    skipped: tuple[int, str | None],
 ) -> dict:
+    """The manifest: the sources, the tokenizer, `counts` (each a figure per split: tokens,
+    windows, ...) and the bad rows skipped (how many, the first one's reason)."""
     files = [
         {**entry, "format": file_format(path, cfg.data.format)}
         for path, entry in zip(sources.files, sources.entries, strict=True)
@@ -212,10 +234,17 @@ def _manifest(
         "files": files,
         "tokenizer": described,
         "context_length": cfg.model.input_dim,
+        **counts,
+        "skipped_rows": skipped[0],
+        "first_skipped": skipped[1],
+    }
+
+
+def packed_counts(splits: dict[str, Packed]) -> dict[str, dict[str, int]]:
+    """The manifest's figures of packed splits."""
+    return {
         "tokens": {name: packed.tokens for name, packed in splits.items()},
         "windows": {name: len(packed.inputs) for name, packed in splits.items()},
         "masked_tokens": {name: packed.masked for name, packed in splits.items()},
         "unlearnt_windows": {name: packed.unlearnt_windows for name, packed in splits.items()},
-        "skipped_rows": len(corpus.skipped),
-        "first_skipped": corpus.skipped[0] if corpus.skipped else None,
     }

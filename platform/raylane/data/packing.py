@@ -71,19 +71,26 @@ def token_stream(
     its text's; only a chat template's pieces turn special-token text into special tokens, so
     the data's text cannot end a document or a turn where raylane does not."""
     encoded = {}
-    for template in (False, True):
-        texts = [p.text for d in documents for p in d.pieces if p.template == template]
-        encoded[template] = iter(tokenizer.encode_batch(texts, special_tokens=template))
-    ids: list[int] = []
+    if tokenizer.hf is not None:
+        for template in (False, True):
+            texts = [p.text for d in documents for p in d.pieces if p.template == template]
+            encoded[template] = iter(tokenizer.encode_batch(texts, special_tokens=template))
+    end = np.array([tokenizer.eot_id], dtype=np.int64)
+    chunks: list[np.ndarray] = []
     learnt: list[bool] = []
     for document in documents:
         for piece in document.pieces:
-            piece_ids = next(encoded[piece.template])
-            ids += piece_ids
-            learnt += [piece.learnt] * len(piece_ids)
-        ids.append(tokenizer.eot_id)
+            if tokenizer.hf is None:  # bytes: the text's UTF-8 bytes, as `encode_batch` gives
+                chunks.append(np.frombuffer(piece.text.encode("utf-8"), dtype=np.uint8))
+            else:
+                chunks.append(np.asarray(next(encoded[piece.template]), dtype=np.int64))
+            learnt.append(piece.learnt)
+        chunks.append(end)
         learnt.append(document.ends_learnt)
-    return np.asarray(ids, dtype=np.int64), np.asarray(learnt, dtype=bool)
+    if not chunks:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=bool)
+    lengths = [len(chunk) for chunk in chunks]
+    return np.concatenate(chunks).astype(np.int64), np.repeat(np.array(learnt), lengths)
 
 
 def pack(documents: Sequence[Document], tokenizer: Tokenizer, context_length: int) -> Packed:

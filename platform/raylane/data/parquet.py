@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,11 @@ from raylane.data.errors import DataError
 from raylane.data.files import prepare_files, stale_sources
 from raylane.data.packing import IGNORE_INDEX
 from raylane.data.prepare import prepare_digits
+from raylane.data.streaming import prepare_streaming
 from raylane.data.text import prepare_stdlib_text
+
+#: Rows per record batch `check_parquet` reads at once.
+CHECK_BATCH_ROWS = 8192
 
 
 @dataclass(frozen=True)
@@ -88,29 +93,58 @@ def _feature_width(path: Path, column: pa.ChunkedArray) -> int:
 
 def check_parquet(path: Path, cfg: RaylaneConfig) -> DatasetInfo:
     """Check that `path` holds the configured columns with the model's feature width, and
-    labels in [0, model.num_classes), sequence labels also -100 (positions the loss skips)."""
+    labels in [0, model.num_classes), sequence labels also -100 (positions the loss skips).
+    Read one record batch at a time: a split larger than the driver's memory is checked too."""
     files = parquet_files(path)
     if not files:
         raise DataError(f"{path}: no Parquet files found")
-    features_col, label_col = cfg.data.features_column, cfg.data.label_column
-    try:
-        table = pq.read_table(files, columns=[features_col, label_col])
-    except (pa.ArrowInvalid, KeyError) as exc:
-        schema = pq.read_schema(files[0])
-        missing = [c for c in (features_col, label_col) if c not in schema.names]
-        if missing:
+    rows, width, low, high, learnt = 0, None, None, None, 0
+    for table in _column_batches(path, files, cfg):
+        rows += table.num_rows
+        batch_width = _feature_width(path, table.column(0))
+        if width not in (None, batch_width):
+            raise DataError(f"{path}: feature rows have different lengths {[width, batch_width]}")
+        width = batch_width
+        if width != cfg.model.input_dim:
             raise DataError(
-                f"{path}: column {missing[0]!r} not found (columns: {', '.join(schema.names)})"
-            ) from None
-        raise DataError(f"{path}: unreadable Parquet ({exc})") from None
-    if table.num_rows == 0:
+                f"{path}: rows have {width} features but model.input_dim is {cfg.model.input_dim}"
+            )
+        labels = _labels(path, table.column(1), width, cfg.data.label_column)
+        learnt += len(labels)
+        if len(labels):
+            low = min(x for x in (low, pc.min(labels).as_py()) if x is not None)
+            high = max(x for x in (high, pc.max(labels).as_py()) if x is not None)
+    if rows == 0:
         raise DataError(f"{path}: dataset is empty")
-    width = _feature_width(path, table.column(features_col))
-    if width != cfg.model.input_dim:
+    if learnt == 0:
+        raise DataError(f"{path}: every label is {IGNORE_INDEX} (ignored): nothing to learn")
+    if low is None or low < 0 or high >= cfg.model.num_classes:
         raise DataError(
-            f"{path}: rows have {width} features but model.input_dim is {cfg.model.input_dim}"
+            f"{path}: labels span [{low}, {high}] but model.num_classes is {cfg.model.num_classes}"
         )
-    labels = table.column(label_col)
+    return DatasetInfo(path=path, rows=rows, features=width)
+
+
+def _column_batches(path: Path, files: list[Path], cfg: RaylaneConfig) -> Iterator[pa.Table]:
+    """The features and label columns of every file, a record batch at a time."""
+    columns = [cfg.data.features_column, cfg.data.label_column]
+    for file in files:
+        try:
+            reader = pq.ParquetFile(file)
+            names = reader.schema_arrow.names
+            missing = [c for c in columns if c not in names]
+            if missing:
+                raise DataError(
+                    f"{path}: column {missing[0]!r} not found (columns: {', '.join(names)})"
+                )
+            for batch in reader.iter_batches(batch_size=CHECK_BATCH_ROWS, columns=columns):
+                yield pa.Table.from_batches([batch])
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise DataError(f"{path}: unreadable Parquet ({exc})") from None
+
+
+def _labels(path: Path, labels: pa.ChunkedArray, width: int, name: str) -> pa.ChunkedArray:
+    """The labels to range-check: sequence labels flattened, the ignored (-100) left out."""
     sequences = pa.types.is_fixed_size_list(labels.type) or pa.types.is_list(labels.type)
     if sequences:
         # Sequence targets (language modelling): one label per input position.
@@ -118,18 +152,11 @@ def check_parquet(path: Path, cfg: RaylaneConfig) -> DatasetInfo:
             raise DataError(f"{path}: label sequences must have {width} entries like the inputs")
         labels = pc.list_flatten(labels)
     if not pa.types.is_integer(labels.type):
-        raise DataError(f"{path}: label column {label_col!r} must be integer, found {labels.type}")
+        raise DataError(f"{path}: label column {name!r} must be integer, found {labels.type}")
     if sequences:
         # Positions the loss skips carry -100 (PyTorch's ignore_index): a prompt, a user turn.
         labels = pc.filter(labels, pc.not_equal(labels, IGNORE_INDEX))
-        if len(labels) == 0:
-            raise DataError(f"{path}: every label is {IGNORE_INDEX} (ignored): nothing to learn")
-    low, high = pc.min(labels).as_py(), pc.max(labels).as_py()
-    if low is None or low < 0 or high >= cfg.model.num_classes:
-        raise DataError(
-            f"{path}: labels span [{low}, {high}] but model.num_classes is {cfg.model.num_classes}"
-        )
-    return DatasetInfo(path=path, rows=table.num_rows, features=width)
+    return labels
 
 
 def ensure_dataset(cfg: RaylaneConfig) -> tuple[DatasetInfo, DatasetInfo]:
@@ -147,8 +174,9 @@ def ensure_dataset(cfg: RaylaneConfig) -> tuple[DatasetInfo, DatasetInfo]:
         # Checked every time: a changed file, tokenizer or data field re-prepares.
         sources = stale_sources(cfg)
         if sources is not None:
+            prepare = prepare_streaming if sources.streaming else prepare_files
             with long_step(f"preparing {len(sources.files)} data files"):
-                prepare_files(cfg, sources)
+                prepare(cfg, sources)
     elif missing:
         raise DataError(f"{missing[0]}: no Parquet files found (data.source is 'parquet')")
     return check_parquet(data.train_path, cfg), check_parquet(data.validation_path, cfg)

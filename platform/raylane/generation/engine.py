@@ -12,8 +12,11 @@ The engine is the scheduler; `raylane.generation.model_runner` runs the model on
 the device once, for all its forwards together (not once per sequence and token): on a GPU the
 host would otherwise wait for every forward in turn.
 
-Tokens are bytes (the GPT's vocabulary is 256): the text a sequence releases is bytes, held
-back only while they might still be the start of a stop sequence.
+Prompts and outputs are token ids; the engine's `codec` (`raylane.generation.text_codec`) says
+what they are: bytes for the byte-level GPT (the text a sequence releases is bytes), a
+tokenizer's ids for a Llama-family model (its text is decoded incrementally, and its
+end-of-sequence ids end a generation). Text is held back while it might still be the start of a
+stop sequence.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections import Counter, deque
 import torch
 
 from raylane.generation.model_runner import Decode, Launch, ModelRunner, read_back
+from raylane.generation.model_shape import context_length
 from raylane.generation.next_token import SamplingFields, request_generator, sample
 from raylane.generation.sequence import Event, Sequence
 from raylane.generation.speculative import (
@@ -32,7 +36,12 @@ from raylane.generation.speculative import (
     check_draft,
     propose_ngram,
 )
+from raylane.generation.text_codec import BYTES, TextCodec
 from raylane.models.kv_cache import ints_on, placement
+
+#: The longest context a sequence may use by default, and so the KV cache's length per slot: a
+#: checkpoint's whole context (128k positions for Llama 3.1) would take gigabytes per slot.
+MAX_MODEL_LEN = 8192
 
 __all__ = [
     "Event",
@@ -44,8 +53,11 @@ __all__ = [
 
 
 class GenerationEngine:
-    """A whole `raylane.models.gpt.GPT` in eval mode with `max_num_seqs` cache slots, on the
-    model's device and in its dtype (place the model first: `raylane.generation.placement`).
+    """A whole `raylane.models.gpt.GPT` or `raylane.models.llama.LlamaForCausalLM` in eval
+    mode with `max_num_seqs` cache slots, on the model's device and in its dtype (place the
+    model first: `raylane.generation.placement`). `codec` turns its ids into text (`BYTES` for
+    the GPT, a `TokenizerCodec` for a Llama); `max_model_len` caps the context a sequence may
+    use, and so the cache (the model's context when shorter).
 
     With `speculate=k`, each decode step is speculative (`raylane.generation.speculative`):
     proposals from a `draft` model when one is given (on the model's device), else from prompt
@@ -69,6 +81,9 @@ class GenerationEngine:
         draft: torch.nn.Module | None = None,
         max_adapters: int = 0,
         decode: Decode = "dynamic",
+        *,
+        codec: TextCodec = BYTES,
+        max_model_len: int = MAX_MODEL_LEN,
     ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, not {max_num_seqs}")
@@ -76,10 +91,11 @@ class GenerationEngine:
             raise ValueError(f"speculate must be 0 (off) or more, not {speculate}")
         if speculate and decode != "dynamic":
             raise ValueError(f"decode '{decode}' serves plain decoding: speculate must be 0")
-        self.runner = ModelRunner(model, max_num_seqs, max_adapters, decode)
+        self.context = min(context_length(model), max_model_len)
+        self.codec = codec
+        self.runner = ModelRunner(model, max_num_seqs, max_adapters, decode, self.context)
         self.model, self.cache, self.adapters = model, self.runner.cache, self.runner.adapters
         self.device = self.runner.device
-        self.context = model.pos_emb.num_embeddings
         self.speculate = speculate
         self.proposer = None
         if draft is not None:
@@ -123,18 +139,18 @@ class GenerationEngine:
         if adapter and self.adapters is None:
             raise ValueError("this engine holds no adapters (max_adapters is 0)")
         generator = request_generator(params, self.device)
-        sequence = Sequence(next(self._ids), list(prompt), params, generator)
+        sequence = Sequence(next(self._ids), list(prompt), params, generator, self.codec)
         sequence.adapter = adapter
         self.waiting.append(sequence)
         return sequence
 
     def check(self, prompt: list[int], params: SamplingFields) -> None:
-        """Raise ValueError naming why this request cannot run: an empty prompt, a byte out of
-        range, or a prompt plus `max_tokens` longer than the model's context."""
+        """Raise ValueError naming why this request cannot run: an empty prompt, a token out of
+        the codec's range, or a prompt plus `max_tokens` (tokens) longer than the context."""
         if not prompt:
             raise ValueError("the prompt is empty")
-        if any(not 0 <= t < 256 for t in prompt):
-            raise ValueError("prompt tokens are bytes: 0-255")
+        if any(not 0 <= t < self.codec.vocab_size for t in prompt):
+            raise ValueError(self.codec.id_range_error())
         if len(prompt) + params.max_tokens > self.context:
             raise ValueError(
                 f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
@@ -223,16 +239,18 @@ class GenerationEngine:
 
 
 @torch.no_grad()
-def generate_without_cache(model: torch.nn.Module, prompt: list[int], params: SamplingFields):
+def generate_without_cache(
+    model: torch.nn.Module, prompt: list[int], params: SamplingFields, codec: TextCodec = BYTES
+):
     """The reference: every token from a forward over the whole sequence so far (no cache),
     on the model's device."""
-    context = model.pos_emb.num_embeddings
+    context = context_length(model)
     if len(prompt) + params.max_tokens > context:
         raise ValueError(f"prompt + max_tokens exceeds the model's context of {context}")
     model.eval()
     device, _ = placement(model)
     generator = request_generator(params, device)
-    reference = Sequence(-1, list(prompt), params, generator)
+    reference = Sequence(-1, list(prompt), params, generator, codec)
     while not reference.finished:
         logits = model(ints_on([reference.prompt + reference.output], device))[0, -1]
         reference.append(sample(logits, params, generator))

@@ -1,22 +1,41 @@
-"""A registered language model as a plain `GPT` that can decode with a KV cache.
+"""A registered language model as a plain module that can decode with a KV cache, and the
+codec of its text (`raylane.generation.text_codec`).
 
-The registry holds the model as a torch.export program (MLflow's pt2 format), which keeps the
-training's parameter names but not the module's methods. The run's resolved config rebuilds
-the `GPT`, and the program's weights are loaded into it by name.
+A byte-level `GPT` (`model.kind: gpt`): the registry holds it as a torch.export program
+(MLflow's pt2 format), which keeps the training's parameter names but not the module's methods.
+The run's resolved config rebuilds the `GPT`, the program's weights are loaded into it by name,
+and its text is bytes.
+
+A Llama-family model (an imported Hugging Face checkpoint, or `model.kind: llama` trained by
+raylane) is written as a Hugging Face directory the way `raylane export` writes it
+(`raylane.tracking.checkpoints_hf.export_model`: an import's own files, or a trained run's
+weights with its `model.pretrained` tokenizer files and its logged `data/tokenizer.json`), then
+read back as a `LlamaForCausalLM` with that directory's tokenizer. A trained Llama whose run
+logged no tokenizer was trained on bytes: its text is bytes.
 """
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
 from raylane.config.finetune import FinetuneConfig
 from raylane.config.model_uri import parse_model_uri
+from raylane.generation.model_shape import context_length, vocabulary
+from raylane.generation.text_codec import BYTES, TextCodec
+from raylane.generation.tokenizer_codec import load_codec
 from raylane.models import build_model
 from raylane.models.adapters import apply_lora, load_adapter, merge_adapters
+from raylane.models.hf_checkpoint import load_pretrained
+from raylane.tracking.checkpoints_hf import HF_KIND, KIND_TAG, Exported, export_model
 from raylane.tracking.lineage import adapter_of, recorded_model_config, registered_state
 from raylane.tracking.registry import resolve_version
+
+#: The model kinds generation serves.
+LANGUAGE_KINDS = ("gpt", "llama")
 
 
 @dataclass(frozen=True)
@@ -26,6 +45,7 @@ class LanguageModelCard:
     run_id: str
     context: int
     parameters: int
+    codec: TextCodec = BYTES  # how its text becomes ids and back
 
 
 @dataclass(frozen=True)
@@ -57,35 +77,25 @@ def load_language_model(
     *,
     merge: bool = True,
 ):
-    """`(GPT in eval mode, LanguageModelCard)` for registry `version` (or, when it is None,
-    the version holding `alias`). A LoRA adapter's version is its base with the adapter
-    loaded, folded into the weights unless `merge` is off.
+    """`(model in eval mode, LanguageModelCard)` for registry `version` (or, when it is None,
+    the version holding `alias`): a `GPT` or a `LlamaForCausalLM`, the card holding its codec.
+    A LoRA adapter's version is its base with the adapter loaded, folded into the weights
+    unless `merge` is off.
 
     Raises:
         ModelNotFoundError: no such version or alias, or an adapter's base version is gone
             (naming the base).
-        ValueError: the version is not a GPT (generation needs one).
+        ValueError: the version is not a language model generation serves, or a Llama
+            checkpoint without its tokenizer.
     """
     client = MlflowClient(tracking_uri=tracking_uri)
     found = resolve_version(client, tracking_uri, registered_model, alias, version)
-    model_cfg = recorded_model_config(client, found.run_id)
-    if model_cfg.kind != "gpt":
-        raise ValueError(
-            f"{registered_model} v{found.version} is a {model_cfg.kind!r} model; "
-            "generation needs a 'gpt' language model"
-        )
     adapter = adapter_of(client, found)
     if adapter is None:
-        model = _whole_model(tracking_uri, registered_model, int(found.version), model_cfg)
+        model, codec = _whole_model(client, tracking_uri, registered_model, found)
     else:
-        model = _adapted_model(tracking_uri, *adapter, merge=merge)
-    card = LanguageModelCard(
-        registered_model,
-        int(found.version),
-        found.run_id,
-        model_cfg.input_dim,
-        sum(p.numel() for p in model.parameters()),
-    )
+        model, codec = _adapted_model(tracking_uri, *adapter, merge=merge)
+    card = _card(registered_model, int(found.version), found.run_id, model, codec)
     return model.eval(), card
 
 
@@ -108,16 +118,20 @@ def load_generation_model(
     meta, state = adapter  # downloaded once, whether merged or kept separate
     base = (meta["base_model"], int(meta["base_version"]))
     if merge:
-        model = _adapted_model(tracking_uri, meta, state, merge=True)
+        model, codec = _adapted_model(tracking_uri, meta, state, merge=True)
     else:
-        model, _ = load_language_model(tracking_uri, *base)
-    card = LanguageModelCard(registered_model, int(version), found.run_id,
-                             model.pos_emb.num_embeddings,
-                             sum(p.numel() for p in model.parameters()))  # fmt: skip
+        model, base_card = load_language_model(tracking_uri, *base)
+        codec = base_card.codec
+    card = _card(registered_model, int(version), found.run_id, model, codec)
     if merge:
         return GenerationModel(model.eval(), card, None)
     own = _served_adapter(f"{registered_model}/{version}", meta, state)
     return GenerationModel(model, card, base, own)
+
+
+def _card(name: str, version: int, run_id: str, model, codec: TextCodec) -> LanguageModelCard:
+    parameters = sum(p.numel() for p in model.parameters())
+    return LanguageModelCard(name, version, run_id, context_length(model), parameters, codec)
 
 
 def load_served_adapter(tracking_uri: str, name: str, version: int, base: tuple[str, int]):
@@ -148,26 +162,66 @@ def _served_adapter(key: str, meta: dict, state: dict) -> ServedAdapter:
     return ServedAdapter(key, state, settings.alpha / settings.rank)
 
 
-def _whole_model(tracking_uri: str, name: str, version: int, model_cfg):
+def _whole_model(client, tracking_uri: str, name: str, found):
+    """`(model, codec)` of a whole registered version: a GPT, or a Llama-family model."""
+    version = int(found.version)
+    if (found.tags or {}).get(KIND_TAG) == HF_KIND:
+        return _llama_model(tracking_uri, name, version)
+    model_cfg = recorded_model_config(client, found.run_id)
+    if model_cfg.kind not in LANGUAGE_KINDS:
+        raise ValueError(
+            f"{name} v{version} is a {model_cfg.kind!r} model; generation needs a language "
+            f"model ({' or '.join(repr(kind) for kind in LANGUAGE_KINDS)})"
+        )
+    if model_cfg.kind == "llama":
+        return _llama_model(tracking_uri, name, version)
     model = build_model(model_cfg)
     model.load_state_dict(registered_state(tracking_uri, name, version))
-    return model
+    return model, BYTES
+
+
+def _llama_model(tracking_uri: str, name: str, version: int):
+    """`(LlamaForCausalLM, codec)` of an imported or trained Llama-family version, read from
+    the Hugging Face directory `raylane export` writes for it."""
+    with tempfile.TemporaryDirectory(prefix="raylane-generate-") as scratch:
+        exported = export_model(f"models:/{name}/{version}", Path(scratch) / "hf", tracking_uri)
+        model = load_pretrained(exported.directory)
+        codec = _exported_codec(exported, vocabulary(model))
+    return model, codec
+
+
+def _exported_codec(exported: Exported, vocab: int) -> TextCodec:
+    """The directory's tokenizer; none from a trained run means bytes (data.tokenizer: bytes
+    logs no tokenizer), none in an import is refused."""
+    named = f"{exported.name} v{exported.version}"
+    if (exported.directory / "tokenizer.json").is_file():
+        codec = load_codec(exported.directory)
+    elif exported.kind == HF_KIND:
+        raise ValueError(f"{named}: the imported checkpoint has no tokenizer.json")
+    else:
+        codec = BYTES
+    if codec.vocab_size > vocab:
+        raise ValueError(
+            f"{named}: its tokenizer has {codec.vocab_size} tokens, the model embeds {vocab}"
+        )
+    return codec
 
 
 def _adapted_model(tracking_uri: str, meta: dict, state: dict, *, merge: bool):
-    """The adapter's base (as registered) with the adapter loaded (and merged)."""
-    base, _ = load_language_model(tracking_uri, meta["base_model"], meta["base_version"])
+    """`(model, codec)`: the adapter's base (as registered) with the adapter loaded (and
+    merged)."""
+    base, card = load_language_model(tracking_uri, meta["base_model"], meta["base_version"])
     load_adapter(apply_lora(base, FinetuneConfig.model_validate(meta["finetune"])), state)
-    return merge_adapters(base) if merge else base
+    return (merge_adapters(base) if merge else base), card.codec
 
 
 def load_draft_model(tracking_uri: str, uri: str):
-    """`(GPT, LanguageModelCard)` of a draft named `models:/NAME/VERSION` or
+    """`(model, LanguageModelCard)` of a draft named `models:/NAME/VERSION` or
     `models:/NAME@ALIAS` (`serving.generation.draft_model`).
 
     Raises:
         ModelNotFoundError: no such version or alias.
-        ValueError: not a model URI, or not a GPT.
+        ValueError: not a model URI, or not a language model.
     """
     ref = parse_model_uri(uri)
     return load_language_model(tracking_uri, ref.name, ref.version, ref.alias)

@@ -27,10 +27,11 @@ from typing import Literal
 import torch
 
 from raylane.generation.cuda_graph import GraphedDecode
+from raylane.generation.model_shape import new_cache
 from raylane.generation.next_token import choose_tokens
 from raylane.generation.sequence import Sequence
 from raylane.generation.static_decode import StaticDecode
-from raylane.models.kv_cache import KVCache, cache_attention_kernels, ints_on, placement
+from raylane.models.kv_cache import cache_attention_kernels, ints_on, placement
 from raylane.models.multi_lora import AdapterSet
 
 Decode = Literal["dynamic", "static", "cuda_graph"]
@@ -70,7 +71,8 @@ def append_each(sequences: list[Sequence], tokens: list[int]) -> None:
 
 
 class ModelRunner:
-    """A whole GPT in eval mode with `max_num_seqs` cache slots and, with `max_adapters > 0`,
+    """A whole GPT or Llama in eval mode with `max_num_seqs` cache slots of `max_len`
+    positions (default: the model's context) and, with `max_adapters > 0`,
     a LoRA `AdapterSet` (each sequence through its own adapter, all in one forward).
 
     Raises:
@@ -83,10 +85,11 @@ class ModelRunner:
         max_num_seqs: int,
         max_adapters: int = 0,
         decode: Decode = "dynamic",
+        max_len: int | None = None,
     ):
         self.model = model.eval()
         self.device, _ = placement(model)
-        self.cache = KVCache.for_model(model, max_num_seqs)
+        self.cache = new_cache(model, max_num_seqs, max_len)
         self.adapters = AdapterSet(self.model, max_adapters) if max_adapters else None
         self.forwards = 0  # batched forwards run (prefills, decode and verify steps)
         # The fixed-shape step: (each slot's last token, each slot's length) -> logits.

@@ -19,7 +19,9 @@ class SamplingParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_tokens: int = Field(16, ge=1, description="Tokens (bytes) to generate at most.")
+    max_tokens: int = Field(
+        16, ge=1, description="Tokens to generate at most (bytes for a byte-level GPT)."
+    )
     temperature: float = Field(
         1.0, ge=0.0, le=2.0, description="0 is greedy; higher flattens the distribution."
     )

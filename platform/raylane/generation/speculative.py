@@ -15,9 +15,10 @@ from __future__ import annotations
 import torch
 
 from raylane.generation.model_runner import Launch, ModelRunner
+from raylane.generation.model_shape import context_length, new_cache, vocabulary
 from raylane.generation.next_token import probabilities, sample, verify
 from raylane.generation.sequence import Sequence
-from raylane.models.kv_cache import KVCache, cache_attention_kernels, ints_on, placement
+from raylane.models.kv_cache import cache_attention_kernels, ints_on, placement
 
 
 def propose_ngram(tokens: list[int], k: int, longest: int = 3) -> list[int]:
@@ -52,10 +53,7 @@ def check_draft(model: torch.nn.Module, draft: torch.nn.Module, speculate: int) 
     if speculate < 1:
         raise ValueError("a draft model needs speculate >= 1 (the tokens it proposes per step)")
     problem = draft_mismatch(
-        model.tok_emb.num_embeddings,
-        model.pos_emb.num_embeddings,
-        draft.tok_emb.num_embeddings,
-        draft.pos_emb.num_embeddings,
+        vocabulary(model), context_length(model), vocabulary(draft), context_length(draft)
     )
     if problem:
         raise ValueError(problem)
@@ -71,7 +69,7 @@ class DraftProposer:
     def __init__(self, draft: torch.nn.Module, slots: int, context: int):
         self.draft = draft.eval()
         self.device, _ = placement(draft)
-        self.cache = KVCache.for_model(draft, slots, max_len=context)
+        self.cache = new_cache(draft, slots, max_len=context)
         self.forwards = 0  # the draft's (prompts, then about k per speculative step)
 
     def _extend(self, tokens: torch.Tensor, slots: list[int], counts=None) -> torch.Tensor:

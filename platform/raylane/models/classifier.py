@@ -1,4 +1,5 @@
-"""Classifiers over fixed-width feature rows (the digits model and its compute-heavier twin)."""
+"""Classifiers over fixed-width feature rows (the digits model and its compute-heavier twin),
+and `build_model`: the configured architecture, whichever kind."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ import torch
 from torch import nn
 
 from raylane.config import ModelConfig
+from raylane.models.custom import LossFn, build_custom
 from raylane.models.gpt import GPT
 from raylane.models.hf_checkpoint import load_pretrained
 from raylane.models.llama import LlamaForCausalLM, llama_config
+from raylane.models.losses import cross_entropy
 
 
 class MLPClassifier(nn.Module):
@@ -58,8 +61,22 @@ class ConvClassifier(nn.Module):
 
 
 def build_model(cfg: ModelConfig) -> nn.Module:
-    """The configured architecture with freshly initialised weights (seed before calling), or
-    a llama with its Hugging Face checkpoint's weights (`pretrained`)."""
+    """The configured architecture with freshly initialised weights (seed before calling), a
+    llama with its Hugging Face checkpoint's weights (`pretrained`), or what a custom model's
+    factory builds."""
+    return build_model_and_loss(cfg)[0]
+
+
+def build_model_and_loss(cfg: ModelConfig) -> tuple[nn.Module, LossFn]:
+    """`build_model`'s model and the loss it trains with: a custom factory's own loss_fn when
+    it returns one, else cross-entropy over the outputs' last dimension."""
+    if cfg.kind == "custom":
+        model, loss_fn = build_custom(cfg)
+        return model, loss_fn or cross_entropy
+    return _built_in(cfg), cross_entropy
+
+
+def _built_in(cfg: ModelConfig) -> nn.Module:
     if cfg.kind == "gpt":
         return GPT(cfg.num_classes, cfg.input_dim, cfg.d_model, cfg.n_heads, cfg.n_layers)
     if cfg.kind == "llama":

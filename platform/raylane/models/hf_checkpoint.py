@@ -14,6 +14,7 @@ naming the file and the key. Writing gives a directory that
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -151,6 +152,24 @@ def _rope(path: Path, raw: dict) -> tuple[float, Llama3Rope | None]:
         ),
     )
     return theta, scaling
+
+
+def weights_sha256(directory: str | Path) -> tuple[str, dict[str, str]]:
+    """sha256 over the weight files' bytes in sorted name order, and each file's own sha256.
+
+    Raises:
+        ValueError: no safetensors weights (or a shard the index names is missing).
+    """
+    files, _ = weight_files(directory)
+    total, each = hashlib.sha256(), {}
+    for path in sorted(set(files.values()), key=lambda p: p.name):
+        digest = hashlib.sha256()
+        with path.open("rb") as handle:
+            while chunk := handle.read(1 << 20):
+                digest.update(chunk)
+                total.update(chunk)
+        each[path.name] = digest.hexdigest()
+    return total.hexdigest(), each
 
 
 def weight_files(directory: str | Path) -> tuple[dict[str, Path], Path]:

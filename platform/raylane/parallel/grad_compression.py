@@ -118,7 +118,9 @@ HALF_HOOKS = {name: _half_hook(dtype) for name, dtype in HALF_DTYPES.items()}
 
 @dataclass
 class TopKState:
-    """Top-k sparsification with error feedback: what a step leaves out is added to the next."""
+    """Top-k sparsification with error feedback: what a step leaves out is added to the next.
+    The residual is kept per parameter (by `id`), so it follows each parameter into whatever
+    bucket holds it next: DDP rebuilds its buckets after the first step, in another order."""
 
     meter: CommMeter
     ratio: float
@@ -127,23 +129,28 @@ class TopKState:
 
 def topk_hook(state: TopKState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     state.meter.bucket_ready(bucket)
-    return topk_average(state, bucket.buffer(), bucket.index())
+    pieces = [(id(p), p.numel()) for p in bucket.parameters()]
+    return topk_average(state, bucket.buffer(), pieces)
 
 
 def topk_average(
-    state: TopKState, buffer: torch.Tensor, key: int, group=None
+    state: TopKState, buffer: torch.Tensor, pieces: list[tuple[int, int]], group=None
 ) -> torch.futures.Future[torch.Tensor]:
-    """Average the top-k of `buffer` (plus what earlier steps left out under `key`) over
-    `group`; the future's value is `buffer`."""
-    residual = state.residuals.get(key)
-    # DDP rebuilds its buckets after the first step; a residual of another size is dropped.
-    fits = residual is not None and residual.shape == buffer.shape
-    accumulated = buffer + residual if fits else buffer.clone()
+    """Average the top-k of `buffer` (plus what earlier steps left out of each of its
+    `pieces`: `(key, numel)` in buffer order) over `group`; the future's value is `buffer`."""
+    accumulated = buffer.clone()
+    offset = 0
+    for key, numel in pieces:
+        residual = state.residuals.get(key)
+        if residual is not None:
+            accumulated[offset : offset + numel] += residual
+        offset += numel
     k = max(1, int(buffer.numel() * state.ratio))
     indices = accumulated.abs().topk(k, sorted=False).indices
     values = accumulated[indices]
     accumulated[indices] = 0
-    state.residuals[key] = accumulated
+    for (key, _), part in zip(pieces, accumulated.split([n for _, n in pieces]), strict=True):
+        state.residuals[key] = part
     payload = torch.cat([values, indices.to(torch.int32).view(values.dtype)])
     world = dist.get_world_size(group)
     gathered = [torch.empty_like(payload) for _ in range(world)]
@@ -214,7 +221,7 @@ class GroupAverager:
         if self.method == "none":
             future = _allreduce_mean(self.meter, flat, self.group)
         elif self.method == "topk":
-            future = topk_average(self.topk, flat, 0, self.group)
+            future = topk_average(self.topk, flat, [(0, flat.numel())], self.group)
         else:
             future = half_average(self.meter, flat, HALF_DTYPES[self.method], self.group)
         future.wait()

@@ -24,11 +24,13 @@ a data-parallel worker never pays their imports.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from raylane.parallel.activation_checkpoint import apply_activation_checkpointing
 from raylane.parallel.precision import fsdp_mixed_precision
@@ -38,6 +40,42 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from raylane.parallel.mesh import ParallelMesh
+
+#: The attribute naming the class of a custom model's blocks, set by `raylane.models.custom`
+#: (same name there: this module imports torch alone, that one the validated config).
+BLOCK_CLASS_ATTRIBUTE = "raylane_block_class"
+
+
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    """The units a layout splits, checkpoints, compiles and shards one at a time: a GPT's or
+    Llama's (or a stage's) `blocks`; a custom model's modules of the class it is marked with
+    (`raylane.models.custom`: `model.block_class`, or its repeated children), outermost ones
+    only; none for a model without blocks (the classifiers: one unit)."""
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleDict):
+        return list(blocks.values())
+    name = getattr(model, BLOCK_CLASS_ATTRIBUTE, None)
+    if name is None:
+        return []
+    found: list[nn.Module] = []
+    inside: list[str] = []  # names of the blocks found so far: their modules are not others
+    for path, module in model.named_modules():
+        if module is model or any(path.startswith(f"{outer}.") for outer in inside):
+            continue
+        if type(module).__name__ == name:
+            found.append(module)
+            inside.append(path)
+    return found
+
+
+def checkpoint_blocks(model: nn.Module) -> nn.Module:
+    """Activation checkpointing of `model_blocks(model)`: a GPT's by
+    `apply_activation_checkpointing`, a custom model's blocks the same way, in place."""
+    if isinstance(getattr(model, "blocks", None), nn.ModuleDict):
+        return apply_activation_checkpointing(model)
+    for block in model_blocks(model):
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+    return model
 
 
 def apply_tensor_parallel(
@@ -64,7 +102,7 @@ def apply_tensor_parallel(
             "raylane.models.gpt_plan): it cannot be split over tp workers"
         )
     plan = importlib.import_module(where)
-    blocks = list(model.blocks.values())
+    blocks = model_blocks(model)
     ends = sequence_parallel and vocabulary_loss and model.head is not None
     for index, block in enumerate(blocks):
         parallelize_module(block, tp_mesh, plan.block_plan(sequence_parallel))
@@ -87,8 +125,8 @@ def sharded_loss():
 def apply_context_parallel(
     model: nn.Module, cp_group, cp_rank: int, cp: int, traffic=None
 ) -> nn.Module:
-    """Make `model` (a whole GPT) compute on this worker's chunks of each sequence (in place):
-    its positions are the chunks' own (`ring_attention.positions_for`), and every block's
+    """Make `model` (a whole GPT or Llama) compute on this worker's chunks of each sequence (in
+    place): its positions are the chunks' own (`ring_attention.positions_for`), and every block's
     attention is ring attention over the `cp_group` workers, which hold the other chunks. The
     inputs it is given are already this worker's part (`shard_sequence`, by the strategy).
     `traffic` (a `RingTraffic`) counts the ring's bytes and the time spent waiting for them."""
@@ -97,12 +135,23 @@ def apply_context_parallel(
         return positions_for(length * cp, cp_rank, cp).to(device)
 
     def attention(q, k, v):
+        if k.shape[1] != q.shape[1]:  # grouped-query: each key/value head serves a group
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         return ring_attention(q, k, v, cp_group, traffic=traffic)
 
     model.positions = positions
     for block in model.blocks.values():
-        block.attn.attention = attention
+        block_attention(block).attention = attention
     return model
+
+
+def block_attention(block: nn.Module) -> nn.Module:
+    """A transformer block's attention module: the GPT's `attn`, the Llama's `self_attn`."""
+    attention = getattr(block, "attn", None) or getattr(block, "self_attn", None)
+    if attention is None:
+        raise ValueError(f"{type(block).__name__} has no attention module (attn or self_attn)")
+    return attention
 
 
 def apply_compile(model: nn.Module, backend: str = "inductor") -> nn.Module:
@@ -112,22 +161,22 @@ def apply_compile(model: nn.Module, backend: str = "inductor") -> nn.Module:
     activation-checkpointed forward (a `checkpoint` partial, which `Module.compile`'s frame
     skips: nothing compiled) is traced, recomputation included. A model without blocks (the
     classifiers) is compiled whole, as one region."""
-    blocks = getattr(model, "blocks", None)
-    for region in blocks.values() if blocks is not None else [model]:
+    for region in model_blocks(model) or [model]:
         region.forward = torch.compile(region.forward, backend=backend)
     return model
 
 
 def apply_fsdp(model: nn.Module, shard_mesh: DeviceMesh, precision: str = "fp32") -> nn.Module:
-    """Shard `model` (a whole GPT or a pipeline stage of one) over `shard_mesh`, block by block
-    and then the rest as the root unit, in place: only one block's full parameters exist at a
-    time, gathered before its forward (and again before its backward) and freed after; in
-    bf16 when `precision` is (the shards, gradients and optimizer state stay fp32)."""
+    """Shard `model` (a whole GPT, a pipeline stage of one, a custom model) over `shard_mesh`,
+    block by block (`model_blocks`) and then the rest as the root unit, in place: only one
+    block's full parameters exist at a time, gathered before its forward (and again before its
+    backward) and freed after; in bf16 when `precision` is (the shards, gradients and optimizer
+    state stay fp32)."""
     from torch.distributed.fsdp import fully_shard
 
     policy = fsdp_mixed_precision(precision)
     options = {"mp_policy": policy} if policy is not None else {}
-    for block in getattr(model, "blocks", {}).values():
+    for block in model_blocks(model):
         fully_shard(block, mesh=shard_mesh, **options)
     fully_shard(model, mesh=shard_mesh, **options)
     return model
@@ -155,7 +204,7 @@ def parallelize(
     if mesh is not None and mesh.dims.tp_enabled:
         apply_tensor_parallel(model, mesh.tp_mesh, mesh.dims.sequence_parallel, vocabulary_loss)
     if activation_checkpointing:
-        apply_activation_checkpointing(model)
+        checkpoint_blocks(model)
     if compile_blocks:
         apply_compile(model, compile_backend)
     if mesh is not None and mesh.dims.fsdp_enabled:

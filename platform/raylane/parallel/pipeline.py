@@ -37,8 +37,9 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 def build_stage_module(model: nn.Module, stage: int, bounds: list[int]) -> nn.Module:
-    """Stage `stage` of a GPT: blocks `[bounds[stage], bounds[stage + 1])`, the embeddings on
-    the first stage, the final norm and head on the last; everything else deleted."""
+    """Stage `stage` of a GPT or Llama: blocks `[bounds[stage], bounds[stage + 1])`, the
+    embeddings on the first stage, the final norm and head on the last; everything else
+    deleted."""
     keep = {str(i) for i in range(bounds[stage], bounds[stage + 1])}
     for key in list(model.blocks.keys()):
         if key not in keep:
@@ -69,7 +70,7 @@ class PipelineParallel(StrategyDefaults):
         self.sharded = self.mesh.dims.fsdp_enabled
         self.stage_index = self.mesh.pp_rank
         self.num_stages = par.pp
-        self.bounds = stage_boundaries(cfg.model.n_layers, par.pp, par.split_points)
+        self.bounds = stage_boundaries(cfg.model.block_count(), par.pp, par.split_points)
         self.is_first = self.stage_index == 0
         self.is_last = self.stage_index == par.pp - 1
         self.data_rank, self.data_world = self.mesh.dp_rank, par.dp

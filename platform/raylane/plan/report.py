@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
+from typing import Any
 
+import yaml
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from raylane.config import load_config
-from raylane.config.loader import config_to_yaml
+from raylane.config import ConfigError, RaylaneConfig, load_config
+from raylane.config.loader import flatten, validate_config
 from raylane.plan.hardware import Cluster
 from raylane.plan.pricing import LayoutCost
 from raylane.plan.search import Plan, config_overrides
@@ -20,13 +24,12 @@ _PARTS = ("compute", "bubble", "tp_comm", "dp_comm", "pp_comm", "cp_comm")
 
 def render(result: Plan, cluster: Cluster, efficiency: float, console: Console, top: int) -> None:
     _print_workload(result, cluster, console)
-    table = Table(title=f"best {min(top, len(result.ranked))} of {len(result.ranked)} layouts")
-    for column in ("#", "layout", "step s", "tokens/s", "TFLOP/s/dev", "memory GB", "act GB"):
-        table.add_column(column, justify="left" if column == "layout" else "right")
-    for part in _PARTS:
-        table.add_column(part.replace("_", " "), justify="right")
-    for rank, prediction in enumerate(result.ranked[:top], start=1):
-        parts = prediction.parts
+    shown = result.ranked[:top]
+    table = _narrow_table(
+        f"best {len(shown)} of {len(result.ranked)} layouts",
+        "#", "layout", "step\ns", "tokens\n/s", "TFLOP/s\n/device", "memory\nGB", "activ.\nGB",
+    )  # fmt: skip
+    for rank, prediction in enumerate(shown, start=1):
         table.add_row(
             str(rank),
             prediction.layout.describe(),
@@ -35,10 +38,23 @@ def render(result: Plan, cluster: Cluster, efficiency: float, console: Console, 
             f"{prediction.flops_per_device / 1e12:.1f}",
             f"{prediction.memory_bytes / 1e9:.1f}",
             f"{prediction.activation_bytes / 1e9:.1f}",
-            *(f"{parts[k]:.3f}" for k in _PARTS),
         )
     console.print(table)
+    parts = _narrow_table("where each step goes, s", "#", *(p.replace("_", " ") for p in _PARTS))
+    for rank, prediction in enumerate(shown, start=1):
+        parts.add_row(str(rank), *(f"{prediction.parts[k]:.3f}" for k in _PARTS))
+    console.print(parts)
     _print_basis(result, cluster, efficiency, console)
+
+
+def _narrow_table(title: str, *columns: str) -> Table:
+    """A table for 80 columns: a rule under the header, no frame; only `layout` may wrap (at
+    its spaces), every other column keeps its figures whole."""
+    table = Table(title=title, box=box.SIMPLE_HEAD, padding=(0, 1, 0, 0), show_edge=False)
+    for column in columns:
+        wraps = column in ("layout", "capacity")
+        table.add_column(column, justify="left" if wraps else "right", no_wrap=not wraps)
+    return table
 
 
 def _print_workload(result: Plan, cluster: Cluster, console: Console) -> None:
@@ -78,16 +94,17 @@ def render_costs(
 ) -> None:  # fmt: skip
     """The layouts ranked by expected cost per epoch, the recommendation and its figures."""
     _print_workload(result, cluster, console)
-    nodes = cluster.spec.nodes
-    table = Table(
-        title=f"cheapest {min(top, len(result.ranked))} of {len(result.ranked)} layouts "
-        f"on 1 to {nodes} node{'s' if nodes > 1 else ''}"
-    )
-    columns = ("#", "layout", "nodes", "step s", "memory GB", "hours/epoch", "on-demand $",
-               "spot $", "$/M tokens", "capacity", "checkpoint every")  # fmt: skip
-    for column in columns:
-        table.add_column(column, justify="left" if column in ("layout", "capacity") else "right")
-    for rank, prediction in enumerate(result.ranked[:top], start=1):
+    nodes, shown = cluster.spec.nodes, result.ranked[:top]
+    table = _narrow_table(
+        f"cheapest {len(shown)} of {len(result.ranked)} layouts on 1 to {nodes} "
+        f"node{'s' if nodes > 1 else ''}",
+        "#", "layout", "nodes", "step\ns", "memory\nGB", "hours\n/epoch",
+    )  # fmt: skip
+    prices = _narrow_table(
+        "cost per epoch", "#", "on demand", "spot", "per M\ntokens", "capacity",
+        "checkpoint\nevery",
+    )  # fmt: skip
+    for rank, prediction in enumerate(shown, start=1):
         cost = result.costs[prediction.layout]
         table.add_row(
             str(rank),
@@ -96,6 +113,9 @@ def render_costs(
             f"{prediction.step_s:.3f}",
             f"{prediction.memory_bytes / 1e9:.1f}",
             _hours(cost.on_demand.hours),
+        )
+        prices.add_row(
+            str(rank),
             _usd(cost.on_demand.usd),
             _usd(cost.spot.usd),
             _usd(cost.usd_per_million_tokens(cost.best)),
@@ -103,6 +123,7 @@ def render_costs(
             _interval(cost, prediction.step_s) if cost.best is cost.spot else "-",
         )
     console.print(table)
+    console.print(prices)
     best = result.ranked[0]
     for line in _recommendation(result.costs[best.layout], best.layout.describe(), best.step_s):
         console.print(line, highlight=False)
@@ -182,13 +203,16 @@ def _hours(hours: float) -> str:
     return f"{hours:,.1f}" if hours >= 10 else f"{hours:#.3g}"
 
 
-def write_config(base: Path, result: Plan, path: Path) -> Path:
-    """The first-ranked layout as a runnable training config (validated before it is
-    written); ranked by cost, its header also says which capacity and checkpoint interval."""
+def write_config(base: Path, result: Plan, path: Path, overrides: list[str] | None = None) -> Path:
+    """The first-ranked layout as a runnable training config: `base` with its `overrides` and
+    the layout's, validated, written as the fields that differ from the defaults (and the
+    precision the prediction assumed). Ranked by cost, its header also says which capacity
+    and checkpoint interval."""
+    overrides = overrides or []
     best = result.ranked[0]
     cost = result.costs.get(best.layout)
     steps = cost.checkpoint_steps if cost and cost.best is cost.spot else None
-    cfg = load_config(base, config_overrides(best, result.workload, steps))
+    cfg = load_config(base, [*overrides, *config_overrides(best, result.workload, steps)])
     path.parent.mkdir(parents=True, exist_ok=True)
     header = (
         f"# raylane plan: {best.layout.describe()} on {best.layout.workers} GPUs, predicted "
@@ -196,8 +220,65 @@ def write_config(base: Path, result: Plan, path: Path) -> Path:
     )
     if cost is not None:
         header += "".join(f"# {line}\n" for line in cost_notes(cost))
-    path.write_text(header + config_to_yaml(cfg))
+    sets = "".join(f" --set {item}" for item in overrides)
+    header += (
+        f"# Planned from {base}{sets}.\n# Fields at their defaults are left out, except the "
+        "layout's and the precision planned for.\n"
+    )
+    written = changed_from_defaults(cfg, keep=(*KEPT, "training.precision"))
+    path.write_text(header + yaml.safe_dump(written, sort_keys=False))
     return path
+
+
+#: Written even at their defaults: the layout a config is about, and the keys that decide
+#: what its degrees mean.
+KEPT = ("experiment", "parallelism.strategy", "parallelism.workers")
+
+
+def changed_from_defaults(cfg: RaylaneConfig, keep: tuple[str, ...] = KEPT) -> dict[str, Any]:
+    """The fields of `cfg` that differ from their defaults, those named in `keep`, and any
+    other field without which it would not load the same (a default another field decides):
+    a short YAML tree that validates back to `cfg`."""
+    full = cfg.model_dump(mode="json")
+    wanted = flatten(full)
+    tree = _without_empty(cfg.model_dump(mode="json", exclude_defaults=True))
+    for key in keep:
+        _put(tree, key, wanted[key])
+    missing = _differences(tree, wanted)
+    if missing:  # the fields themselves first, then their whole sections
+        for key in missing:
+            _put(tree, key, wanted[key])
+        sections = {key.split(".")[0] for key in missing}
+        if _differences(tree, wanted) != []:
+            tree.update({section: full[section] for section in sections})
+    return tree if _differences(tree, wanted) == [] else full
+
+
+def _differences(tree: dict[str, Any], wanted: dict[str, Any]) -> list[str] | None:
+    """The keys whose values `tree` does not load to (None: it does not validate)."""
+    try:
+        got = flatten(validate_config(copy.deepcopy(tree)).model_dump(mode="json"))
+    except ConfigError:
+        return None
+    return [key for key, value in wanted.items() if got.get(key) != value]
+
+
+def _put(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+    tree[leaf] = value
+
+
+def _without_empty(tree: dict[str, Any]) -> dict[str, Any]:
+    """`tree` without its empty sections (all their fields at the defaults)."""
+    kept = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            value = _without_empty(value)
+        if value != {}:
+            kept[key] = value
+    return kept
 
 
 def render_profile(found: dict, reused: bool, console: Console) -> None:

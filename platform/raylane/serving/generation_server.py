@@ -9,6 +9,10 @@ Each replica loads one registry version and decodes with a KV cache under contin
 request gets 503 with Retry-After. The API-key guard and body limit are the inference routes'.
 A replica given GPUs (`serving.replica_gpus`) holds its model, draft, cache and adapters on its
 CUDA device, in `serving.dtype` (`raylane.generation.placement`).
+
+Text goes through the served version's codec (`raylane.generation.text_codec`): bytes for a
+byte-level GPT, its own tokenizer for a Llama-family model, whose chat template (when its
+tokenizer_config.json has one) renders `/v1/chat/completions` conversations.
 """
 
 # No `from __future__ import annotations` here: FastAPI must see the route parameters' real
@@ -40,7 +44,6 @@ from raylane.serving.openai_protocol import (
     completion_id,
     openai_error,
     parse,
-    prompt_tokens,
     sse,
     usage,
 )
@@ -103,6 +106,7 @@ class GenerationServer:
         self.device, self.dtype = serving_device(replica_gpus), dtype
         served = load_generation_model(tracking_uri, registered_model, version, merge=merge_adapter)
         self.card, self.quantization = served.card, quantization
+        self.codec = served.card.codec
         model = place_model(served.model, self.device, dtype, quantization)
         self.max_num_seqs = max_num_seqs
         metrics = GenerationMetrics(model_name, self.card.version)
@@ -113,7 +117,9 @@ class GenerationServer:
         own = served.own_adapter is not None
         slots = (max_adapters if served.base else 0) + own
         decode = "cuda_graph" if cuda_graphs else "dynamic"
-        engine = GenerationEngine(model, max_num_seqs, speculate, draft, slots, decode)
+        engine = GenerationEngine(
+            model, max_num_seqs, speculate, draft, slots, decode, codec=self.codec
+        )
         self.loop = GenerationLoop(engine, metrics)
         self.adapters = AdapterDirectory(model_name, served, self.loop, tracking_uri,
                                          retry_after_s, max_adapters)  # fmt: skip
@@ -155,7 +161,8 @@ class GenerationServer:
     async def generate(self, name: str, request: Request) -> dict:
         body = parse(GenerateRequest, await request.body())
         params = body.sampling(self.default_max_tokens)
-        generation, decoder = await self._start(name, body.text_input, params)
+        tokens = self.codec.encode(body.text_input)
+        generation, decoder = await self._start(name, tokens, params)
         text = "".join([chunk async for chunk, _ in self._chunks(generation, decoder)])
         return {
             "model_name": name,
@@ -168,7 +175,8 @@ class GenerationServer:
     async def generate_stream(self, name: str, request: Request) -> StreamingResponse:
         body = parse(GenerateRequest, await request.body())
         params = body.sampling(self.default_max_tokens)
-        generation, decoder = await self._start(name, body.text_input, params)
+        tokens = self.codec.encode(body.text_input)
+        generation, decoder = await self._start(name, tokens, params)
 
         async def events() -> AsyncIterator[bytes]:
             async for chunk, finish in self._chunks(generation, decoder):
@@ -280,15 +288,25 @@ class GenerationServer:
             "created": int(time.time()),
             "owned_by": "raylane",
             "root": f"{self.card.registered_model}/{self.card.version}",
-            "max_model_len": self.card.context,
+            "max_model_len": self.loop.engine.context,
         }
         if name:  # an adapter: its registered name and version, on the served model's base
             entry |= {"root": name.split(":", 1)[1], "parent": self.model_name}
         return entry
 
-    async def _start(self, name: str, text: str, params):
-        """Queue `text` for model `name` (the served model or one of its base's adapters)."""
-        tokens = prompt_tokens(text)
+    def _prompt(self, body) -> list[int]:
+        """A completion request's prompt ids: a chat through the model's chat template when it
+        has one (else the plain `role: content` rendering), a prompt through the codec."""
+        if isinstance(body, ChatCompletionRequest) and self.codec.has_chat_template:
+            try:
+                return self.codec.chat_prompt(body.template_messages())
+            except ValueError as exc:
+                raise ProtocolError(str(exc)) from None
+        return self.codec.encode(body.text())
+
+    async def _start(self, name: str, tokens: list[int], params):
+        """Queue prompt `tokens` for model `name` (the served model or one of its base's
+        adapters)."""
         try:  # a request that cannot run loads no adapter
             self.loop.engine.check(tokens, params)
         except ValueError as exc:
@@ -310,7 +328,7 @@ class GenerationServer:
 
     async def _complete(self, kind: str, body) -> Response:
         params = body.sampling(self.default_max_tokens)
-        generation, decoder = await self._start(body.model, body.text(), params)
+        generation, decoder = await self._start(body.model, self._prompt(body), params)
         request_id = completion_id("chatcmpl" if kind.startswith("chat") else "cmpl")
         prompt_count = len(generation.prompt)
         if not body.stream:

@@ -64,5 +64,6 @@ def running_ingress() -> Ingress:
 
 
 def export_lines(ingress: Ingress) -> str:
-    """`export NAME=value ...` for a shell (`eval "$(raylane serve-env)"` before `ray start`)."""
+    """`export NAME=value ...` for a shell (`eval "$(raylane util serve-env)"` before
+    `ray start`)."""
     return "export " + " ".join(f"{k}={v}" for k, v in ingress_env(ingress).items())

@@ -16,7 +16,6 @@ files of its `model.pretrained` directory (when it is still there) and the run's
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -25,13 +24,18 @@ from typing import TYPE_CHECKING
 
 from raylane.config import ConfigError
 from raylane.config.model_uri import parse_model_uri
-from raylane.models.hf_checkpoint import read_config, save_pretrained, weight_files
+from raylane.models.hf_checkpoint import read_config, save_pretrained
+from raylane.models.hf_checkpoint import weights_sha256 as files_sha256
 from raylane.models.llama import LlamaForCausalLM, llama_config
 from raylane.tracking.identity import weights_digest
 from raylane.tracking.lineage import (
     ADAPTER_TAG,
     BASE_MODEL_TAG,
     BASE_VERSION_TAG,
+    HF_KIND,
+    KIND_TAG,
+    SHA_TAG,
+    SOURCE_TAG,
     recorded_model_config,
     registered_state,
 )
@@ -43,8 +47,6 @@ if TYPE_CHECKING:
 IMPORT_EXPERIMENT = "imports"
 CHECKPOINT_DIR = "checkpoint"
 FILES_ARTIFACT = "checkpoint_files.json"
-KIND_TAG, SOURCE_TAG, SHA_TAG = "raylane.kind", "raylane.source_path", "raylane.weights_sha256"
-HF_KIND = "hf-checkpoint"
 RUN_TOKENIZER = "data/tokenizer.json"
 
 
@@ -70,24 +72,11 @@ class Exported:
 
 
 def weights_sha256(directory: str | Path) -> tuple[str, dict[str, str]]:
-    """sha256 over the weight files' bytes in sorted name order, and each file's own sha256.
-
-    Raises:
-        CheckpointError: no safetensors weights (or a shard the index names is missing).
-    """
+    """`hf_checkpoint.weights_sha256`, its error a CheckpointError."""
     try:
-        files, _ = weight_files(directory)
+        return files_sha256(directory)
     except ValueError as exc:
         raise CheckpointError(str(exc)) from None
-    total, each = hashlib.sha256(), {}
-    for path in sorted(set(files.values()), key=lambda p: p.name):
-        digest = hashlib.sha256()
-        with path.open("rb") as handle:
-            while chunk := handle.read(1 << 20):
-                digest.update(chunk)
-                total.update(chunk)
-        each[path.name] = digest.hexdigest()
-    return total.hexdigest(), each
 
 
 def import_checkpoint(directory: str | Path, name: str, tracking_uri: str) -> Imported:

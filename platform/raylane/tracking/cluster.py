@@ -22,7 +22,7 @@ def _git(*args: str) -> str | None:
 
 
 # A `ray job submit` working directory arrives without `.git`: the submitting side passes the
-# commit in these (see the README's submit command).
+# commit in these (see docs/guides/clusters.md, its submit command).
 GIT_COMMIT_ENV = "RAYLANE_GIT_COMMIT"
 GIT_DIRTY_ENV = "RAYLANE_GIT_DIRTY"
 

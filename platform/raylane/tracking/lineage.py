@@ -41,6 +41,9 @@ ADAPTER_META = "adapter.json"
 BASE_MODEL_TAG, BASE_VERSION_TAG, ADAPTER_TAG = (
     "raylane.base_model", "raylane.base_version", "raylane.adapter",
 )  # fmt: skip
+#: Registry tags of an imported Hugging Face checkpoint (`raylane import`).
+KIND_TAG, SOURCE_TAG, SHA_TAG = "raylane.kind", "raylane.source_path", "raylane.weights_sha256"
+HF_KIND = "hf-checkpoint"
 
 
 class BaseModelError(ValueError):
@@ -56,7 +59,8 @@ class BaseModel:
     run_id: str
     digest: str
     model_id: str | None
-    state: dict[str, torch.Tensor] = field(repr=False)
+    # None for an imported checkpoint: the workers load it from `model.pretrained`.
+    state: dict[str, torch.Tensor] | None = field(repr=False)
 
     def tags(self) -> dict[str, str]:
         return {
@@ -108,6 +112,8 @@ def resolve_base(
             f"{named}: tracking.registered_model is the base's own name; register the "
             "fine-tuned model under another (its versions would compete for the base's alias)"
         )
+    if (found.tags or {}).get(KIND_TAG) == HF_KIND:
+        return _imported_base(cfg, found, named, expect_digest)
     _check_architecture(cfg, recorded_model_config(client, found.run_id), named)
     state = registered_state(tracking_uri, ref.name, int(found.version))
     digest = weights_digest(state)
@@ -126,13 +132,56 @@ def resolve_base(
     )
 
 
+def _imported_base(cfg: RaylaneConfig, found, named: str, expect_digest: str | None):
+    """An imported Hugging Face checkpoint as the base: the config's `model.pretrained` must
+    hold the very weight files that were imported (their sha256, the version's tag); the
+    workers load the base from there, as a `model.pretrained` run does."""
+    # lazy: reading a checkpoint imports torch; serving reads lineage without it
+    from raylane.models.hf_checkpoint import weights_sha256
+
+    tags = found.tags or {}
+    imported, source = tags.get(SHA_TAG, ""), tags.get(SOURCE_TAG, "?")
+    model = cfg.model
+    if model.kind != "llama" or model.pretrained is None:
+        raise BaseModelError(
+            f"{named} is a Hugging Face checkpoint imported from {source}: set model.kind "
+            "'llama' and model.pretrained to that directory"
+        )
+    try:
+        sha, _ = weights_sha256(model.pretrained)
+    except ValueError as exc:
+        raise BaseModelError(f"model.pretrained: {exc}") from None
+    for want, what in ((imported, "was imported from"), (expect_digest, "was fine-tuned from")):
+        if want and sha != want:
+            raise BaseModelError(
+                f"{named} {what} weights sha256 {want[:12]}; model.pretrained "
+                f"{model.pretrained} holds {sha[:12]}"
+            )
+    if cfg.finetune.method == "lora":
+        _check_targets(cfg)
+    return BaseModel(found.name, int(found.version), found.run_id, sha, None, state=None)
+
+
+def _check_targets(cfg: RaylaneConfig) -> None:
+    """Raise BaseModelError unless `finetune.target_modules` match layers of the model (built
+    on the meta device: no weights read)."""
+    # lazy: imports torch; serving's driver reads a version's lineage without it
+    import torch
+
+    from raylane.models import build_model  # lazy: as above
+    from raylane.models.adapters import AdapterTargetError, apply_lora  # lazy: as above
+
+    with torch.device("meta"):
+        model = build_model(cfg.model.model_copy(update={"pretrained": None}))
+    try:
+        apply_lora(model, cfg.finetune)
+    except AdapterTargetError as exc:
+        raise BaseModelError(str(exc)) from None
+
+
 def _check_architecture(cfg: RaylaneConfig, recorded, named: str) -> None:
     """Raise BaseModelError unless the config's model is the base's recorded one and (LoRA)
     its target modules match layers of it."""
-    # lazy: imports torch; serving's driver reads a version's lineage without it
-    from raylane.models import build_model
-    from raylane.models.adapters import AdapterTargetError, apply_lora  # lazy: as above
-
     differs = [k for k, v in recorded.model_dump().items() if getattr(cfg.model, k) != v]
     if differs:
         key = differs[0]
@@ -141,10 +190,7 @@ def _check_architecture(cfg: RaylaneConfig, recorded, named: str) -> None:
             f"{getattr(cfg.model, key)!r} (a fine-tuning config states the base's architecture)"
         )
     if cfg.finetune.method == "lora":
-        try:
-            apply_lora(build_model(cfg.model), cfg.finetune)
-        except AdapterTargetError as exc:
-            raise BaseModelError(str(exc)) from None
+        _check_targets(cfg)
 
 
 def _logged_model_id(version) -> str | None:

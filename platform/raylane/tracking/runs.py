@@ -66,6 +66,7 @@ def log_run_context(
         "raylane.seed": str(cfg.training.seed),
         "mlflow.source.git.commit": code["git_commit"] or "unknown",
         "raylane.git_dirty": str(code["git_dirty"]),
+        **cfg.model.factory_tags(),  # a custom model: its factory and its source's sha256
     }
     client.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
     _log_dataset_inputs(client, run_id, cfg, digest)

@@ -179,7 +179,7 @@ def _job_trainer(cfg: RaylaneConfig, run_name, tracking_uri, run_id, recorder, b
         # The driver samples its own node's system metrics; ranks sample the other nodes.
         driver_node=recorder.driver_node,
         driver_code={"code_digest": code_digest(), "code_path": str(package_dir())},
-        base_state=ray.put(base.state) if base is not None else None,
+        base_state=ray.put(base.state) if base is not None and base.state is not None else None,
     )
     trainer = build_trainer(cfg, read_datasets(cfg), run_name, link)
     log.info(

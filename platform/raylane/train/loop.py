@@ -1,9 +1,10 @@
 """`train_loop_per_worker`: what each Ray Train worker runs.
 
 Strategy-agnostic: the parallelism strategy wraps the model and runs each step; this loop feeds
-batches, evaluates, checkpoints, and reports once per epoch. Losses are cross-entropy over the
-last dimension of the outputs, which covers classification (`[B, C]` vs `[B]`) and language
-modelling (`[B, T, V]` vs `[B, T]`).
+batches, evaluates, checkpoints, and reports once per epoch. The training loss is cross-entropy
+over the last dimension of the outputs, which covers classification (`[B, C]` vs `[B]`) and
+language modelling (`[B, T, V]` vs `[B, T]`), or a custom model's own `loss_fn`; validation
+is cross-entropy for every model.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import torch.distributed as dist
 
 from raylane.config import RaylaneConfig
 from raylane.data.memory import MemorySplit, memory_batches
-from raylane.models import build_model
 from raylane.models.adapters import apply_lora
-from raylane.models.losses import cross_entropy, token_sums
+from raylane.models.classifier import build_model_and_loss
+from raylane.models.losses import token_sums
 from raylane.models.optim import build_optimizer
 from raylane.parallel import get_strategy
 from raylane.parallel.device import all_reduce_scalars, synchronize
@@ -107,10 +108,11 @@ def _my_batches(strategy, shard, cfg: RaylaneConfig, shuffle_seed: int | None, w
         yield strategy.local_batch(inputs[first : first + rows], targets[first : first + rows])
 
 
-def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank, marks, start, saver):
-    """One epoch: mean loss, rows the group trained on in this run, the group's step-time
-    split (`raylane.tracking.step_times`) and this worker's epoch time. `start`: where a step
-    checkpoint left it (`step_checkpoints.epoch_start`); `saver` writes the step checkpoints."""
+def _train_epoch(strategy, model, loss_fn, optimizer, shard, cfg, epoch, rank, marks, start, saver):
+    """One epoch of training on `loss_fn`: mean loss, rows the group trained on in this run, the
+    group's step-time split (`raylane.tracking.step_times`) and this worker's epoch time.
+    `start`: where a step checkpoint left it (`step_checkpoints.epoch_start`); `saver` writes
+    the step checkpoints."""
     model.train()
     skip, loss_sum, rows = start
     carried = rows  # rows a step checkpoint counted before this run (rank 0 holds them)
@@ -141,9 +143,9 @@ def _train_epoch(strategy, model, optimizer, shard, cfg, epoch, rank, marks, sta
         straggler.maybe_wait(epoch, step)
         if own_meter:
             with activations:
-                loss = strategy.train_step(model, optimizer, cross_entropy, inputs, targets)
+                loss = strategy.train_step(model, optimizer, loss_fn, inputs, targets)
         else:
-            loss = strategy.train_step(model, optimizer, cross_entropy, inputs, targets)
+            loss = strategy.train_step(model, optimizer, loss_fn, inputs, targets)
         if strategy.reports_loss:  # each of a row's `row_reporters` workers counts its share
             share = len(targets) / strategy.row_reporters
             # Summed on the loss's device in float64 (as a host float would): no host sync.
@@ -256,7 +258,8 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     seed_everything(cfg.training.seed)
 
     strategy = get_strategy(cfg, rank)
-    model = strategy.wrap_model(_plain_model(cfg, spec))  # raylane.parallel.parallelize
+    plain, loss_fn = _plain_model(cfg, spec)
+    model = strategy.wrap_model(plain)  # raylane.parallel.parallelize
     training = cfg.training
     trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     optimizer = build_optimizer(trainable, training.optimizer, training.lr, training.weight_decay)
@@ -266,21 +269,23 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     check_same_code(placement, spec.driver_code)
     journal, monitor = _start_tracking(spec, cfg, rank, placement)
     try:
-        _train_epochs(strategy, model, optimizer, cfg, start, rank, journal, marks, spec)
+        _train_epochs(strategy, model, loss_fn, optimizer, cfg, start, rank, journal, marks, spec)
     finally:
         if monitor is not None:
             monitor.finish()
 
 
 def _plain_model(cfg: RaylaneConfig, spec: WorkerSpec):
-    """The model before any parallelism: freshly initialised, or a fine-tuning run's base
-    (its weights from the object store) with `finetune:`'s adapters."""
-    model = build_model(cfg.model)
+    """The model before any parallelism, and the loss it trains with (`build_model_and_loss`):
+    freshly initialised, or a fine-tuning run's base (its weights from the object store, or an
+    imported checkpoint's from `model.pretrained`) with `finetune:`'s adapters."""
+    model, loss_fn = build_model_and_loss(cfg.model)
     if cfg.finetune is not None:
-        model.load_state_dict(ray.get(spec.base_state))
+        if spec.base_state is not None:
+            model.load_state_dict(ray.get(spec.base_state))
         if cfg.finetune.method == "lora":
             apply_lora(model, cfg.finetune)
-    return model
+    return model, loss_fn
 
 
 def _restore(strategy, model, optimizer, checkpoint, cfg: RaylaneConfig) -> Position:
@@ -327,8 +332,11 @@ def _log_base_loss(strategy, model, validation_shard, cfg, journal) -> None:
         journal.log({"base_val_loss": base_loss}, step=0)
 
 
-def _train_epochs(strategy, model, optimizer, cfg, start, rank, journal, marks, spec: WorkerSpec):
-    """From `start` on: train, evaluate, journal (rank 0), checkpoint and report each epoch."""
+def _train_epochs(
+    strategy, model, loss_fn, optimizer, cfg, start, rank, journal, marks, spec: WorkerSpec
+):
+    """From `start` on: train (on `loss_fn`), evaluate, journal (rank 0), checkpoint and report
+    each epoch."""
     memory = spec.memory_splits
     train_shard = memory.get("train") or ray.train.get_dataset_shard("train")
     validation_shard = memory.get("validation") or ray.train.get_dataset_shard("validation")
@@ -337,7 +345,7 @@ def _train_epochs(strategy, model, optimizer, cfg, start, rank, journal, marks, 
     saver = StepCheckpoints(cfg, strategy, model, optimizer, start, spec, journal)
     for epoch in range(start.epoch, cfg.training.epochs):
         train_loss, rows, split, elapsed = _train_epoch(
-            strategy, model, optimizer, train_shard, cfg, epoch, rank, marks,
+            strategy, model, loss_fn, optimizer, train_shard, cfg, epoch, rank, marks,
             epoch_start(start, epoch), saver,
         )  # fmt: skip
         stats = strategy.epoch_stats()

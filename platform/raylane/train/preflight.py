@@ -1,6 +1,7 @@
 """What a training job checks on the driver before compute is spent: the resume checkpoint,
-the tracking store and the dataset. Import-light (no torch, no Ray), so the command line runs
-these checks before either is imported."""
+a custom model's factory, the tracking store and the dataset. Import-light (no torch, no Ray),
+so the command line runs these checks before either is imported (a custom model's check
+imports torch)."""
 
 from __future__ import annotations
 
@@ -16,9 +17,16 @@ log = logging.getLogger("raylane")
 
 
 def check_run_inputs(cfg: RaylaneConfig) -> str:
-    """The resume checkpoint and the tracking store; returns the store's URI."""
+    """The resume checkpoint, a custom model (built once on the meta device:
+    `raylane.models.custom.check_custom_model`) and the tracking store; returns the store's
+    URI."""
     if cfg.training.resume_from is not None:
         check_resumable(cfg.training.resume_from)
+    if cfg.model.kind == "custom":
+        # lazy: torch, which only a custom model's check needs before Ray starts
+        from raylane.models.custom import check_custom_model
+
+        check_custom_model(cfg)
     tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
     check_tracking_reachable(tracking_uri)
     return tracking_uri

@@ -1,0 +1,160 @@
+"""Preparing `data.source: files` in the driver's memory against streaming it through Ray Data.
+
+A synthetic corpus is written to a temporary directory from the Python standard library's
+modules (each copy headed by its own number, so no two documents are equal): half as text files
+(one document each), half as JSONL files of `{"text": ...}` rows, each a paragraph. Three
+preparations, each in a fresh process so its peak RSS is its own:
+
+  (a) in memory (`prepare_files`) of a corpus it can hold (`--memory-size-mb`);
+  (b) streamed (`prepare_streaming`) of the same corpus, side by side with (a);
+  (c) streamed of a corpus several times larger than Ray's object store (`--size-mb`, the
+      object store `--object-store-mb`).
+
+Each reports the driver's peak RSS (and its RSS before preparing: the process with Ray
+connected), seconds, MB/s of source text and tokens/s (tokens in the packed streams, bytes
+tokenizer, context 256). Timing starts after Ray is connected and the sources are hashed. The
+last line printed is one JSON object.
+
+    python benchmarks/data_pipeline.py [--size-mb 400] [--memory-size-mb 40] [--object-store-mb 80]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+from raylane.config import load_config
+from raylane.data.files import find_sources, prepare_files
+from raylane.data.streaming import prepare_streaming
+
+ROOT = Path(__file__).resolve().parents[1]
+LM = ROOT / "configs" / "train" / "lm_pipeline.yaml"
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+CONTEXT = 256
+
+
+def write_corpus(root: Path, size_mb: int, seed: int = 0) -> int:
+    """About `size_mb` MB of text and JSONL files under `root`; returns the bytes written."""
+    modules = [p.read_text(errors="replace") for p in sorted(STDLIB.glob("*.py"))]
+    rng = random.Random(seed)
+    (root / "text").mkdir(parents=True)
+    written, copy, target = 0, 0, size_mb * 2**20
+    jsonl = None
+    while written < target:
+        text = f"# copy {copy}\n" + rng.choice(modules)
+        if copy % 2:
+            (root / "text" / f"doc{copy:07d}.txt").write_text(text)
+            written += len(text.encode())
+        else:
+            if jsonl is None or jsonl.tell() > 32 * 2**20:
+                jsonl = (root / f"rows{copy:07d}.jsonl").open("w")
+            for paragraph in text.split("\n\n"):
+                if paragraph.strip():
+                    line = json.dumps({"text": paragraph}) + "\n"
+                    jsonl.write(line)
+                    written += len(line.encode())
+            jsonl.flush()
+        copy += 1
+    return written
+
+
+def child(mode: str, corpus: Path, out: Path, object_store_mb: int) -> dict:
+    """One preparation in this process; its figures."""
+    overrides = [
+        "data.source=files",
+        f"data.files=[{corpus}/**/*.txt,{corpus}/*.jsonl]",
+        f"data.train_path={out}/train.parquet",
+        f"data.validation_path={out}/validation.parquet",
+        f"data.feed={'memory' if mode == 'memory' else 'ray_data'}",
+        f"model.input_dim={CONTEXT}",
+    ]
+    cfg = load_config(LM, overrides)
+    if mode != "memory":
+        import ray  # the streamed preparation's Ray: a small object store, on purpose
+
+        ray.init(
+            num_cpus=os.cpu_count(),
+            object_store_memory=object_store_mb * 2**20,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
+    sources = find_sources(cfg)
+    before = _peak_rss_mb()
+    start = time.perf_counter()
+    prepare = prepare_files if mode == "memory" else prepare_streaming
+    windows = prepare(cfg, sources)
+    seconds = time.perf_counter() - start
+    manifest = json.loads((out / "manifest.json").read_text())
+    source_mb = sum(entry["bytes"] for entry in sources.entries) / 2**20
+    tokens = sum(manifest["tokens"].values())
+    return {
+        "mode": mode,
+        "source_mb": round(source_mb, 1),
+        "files": len(sources.files),
+        "seconds": round(seconds, 2),
+        "mb_per_s": round(source_mb / seconds, 2),
+        "tokens_per_s": round(tokens / seconds),
+        "tokens": tokens,
+        "windows": list(windows),
+        "dropped_tokens": manifest.get("dropped_tokens"),
+        "peak_rss_mb": round(_peak_rss_mb()),
+        "rss_before_prepare_mb": round(before),
+    }
+
+
+def _peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: kB
+
+
+def run(mode: str, corpus: Path, out: Path, object_store_mb: int) -> dict:
+    """`child` in a fresh process (its own peak RSS); its JSON line."""
+    command = [sys.executable, __file__, "--child", mode, str(corpus), str(out)]
+    command += ["--object-store-mb", str(object_store_mb)]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode:
+        raise SystemExit(f"{mode} preparation failed:\n{done.stderr[-3000:]}")
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    print(json.dumps(figures), flush=True)
+    return figures
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=int, default=400)
+    parser.add_argument("--memory-size-mb", type=int, default=40)
+    parser.add_argument("--object-store-mb", type=int, default=80)
+    parser.add_argument("--child", nargs=3, metavar=("MODE", "CORPUS", "OUT"))
+    args = parser.parse_args()
+    if args.child:
+        mode, corpus, out = args.child
+        print(json.dumps(child(mode, Path(corpus), Path(out), args.object_store_mb)))
+        return
+    with tempfile.TemporaryDirectory(prefix="raylane-data-bench-") as tmp:
+        small, large = Path(tmp) / "small", Path(tmp) / "large"
+        write_corpus(small, args.memory_size_mb)
+        memory = run("memory", small, Path(tmp) / "out-memory", args.object_store_mb)
+        streamed = run("streaming", small, Path(tmp) / "out-small", args.object_store_mb)
+        write_corpus(large, args.size_mb, seed=1)
+        big = run("streaming", large, Path(tmp) / "out-large", args.object_store_mb)
+    result = {
+        "object_store_mb": args.object_store_mb,
+        "cpus": os.cpu_count(),
+        "memory": memory,
+        "streaming_same_corpus": streamed,
+        "streaming_large": big,
+        "large_over_object_store": round(big["source_mb"] / args.object_store_mb, 1),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
