@@ -364,12 +364,11 @@ class TestOnARunningCluster:
             float, re.search(r"base ([\d.]+), fine-tuned ([\d.]+)", finetuned).groups()
         )
         assert tuned < base, finetuned[-2000:]
-        adapter = client.get_model_version("raylane-llama-lora", "1").tags
-        assert (adapter["raylane.base_model"], adapter["raylane.base_version"]) == (
-            "tiny-llama",
-            "1",
-        )
-        assert adapter["raylane.base_digest"] == imported.tags["raylane.weights_sha256"]
+        adapter = client.get_model_version("raylane-llama-lora", "1")
+        tags = adapter.tags
+        assert (tags["raylane.base_model"], tags["raylane.base_version"]) == ("tiny-llama", "1")
+        run_tags = client.get_run(adapter.run_id).data.tags  # the run records the base's digest
+        assert run_tags["raylane.base_digest"] == imported.tags["raylane.weights_sha256"]
         generated = run.command("raylane generate").output
         assert "raylane-llama-lora v1" in generated, generated
         # Up to its 8 tokens, or fewer at the tokenizer's end-of-text (never printed).
