@@ -3,13 +3,9 @@ and gradients of 2- and 4-process gloo rings, the zig-zag chunking helpers and t
 
 from __future__ import annotations
 
-import datetime
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from raylane.parallel.ring_attention import (
@@ -21,6 +17,8 @@ from raylane.parallel.ring_attention import (
     shard_sequence,
     unshard_sequence,
 )
+
+from .gloo import on_gloo
 
 SHAPE = (2, 2, 64, 8)  # batch, heads, whole sequence, head_dim
 SEQ = 2
@@ -57,29 +55,18 @@ def _run_ring(group, rank: int, world: int) -> dict:
     }
 
 
-def _ring_worker(rank: int, store_path: str, out_dir: str) -> None:
-    """One of 4 processes: a 4-rank ring over the default group, then 2-rank rings over the
-    pairs (0, 1) and (2, 3) (the second one's group ranks are not its global ranks)."""
-    torch.set_num_threads(1)
-    store = dist.FileStore(store_path, 4)
-    timeout = datetime.timedelta(seconds=60)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=4, timeout=timeout)
-    try:
-        pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        result = {4: _run_ring(None, rank, 4), 2: _run_ring(pairs[rank // 2], rank % 2, 2)}
-        torch.save(result, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _rings(rank: int, world: int) -> dict:
+    """A 4-rank ring over the default group, then 2-rank rings over the pairs (0, 1) and
+    (2, 3) (the second one's group ranks are not its global ranks)."""
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    return {4: _run_ring(None, rank, 4), 2: _run_ring(pairs[rank // 2], rank % 2, 2)}
 
 
 @pytest.fixture(scope="module")
 def ring_results(tmp_path_factory) -> list[dict]:
     """Every process's results, in rank order; one spawn (each process imports torch) for
-    both ring sizes keeps the test quick. A child's exception fails mp.spawn with the child's
-    traceback in the message."""
-    tmp = tmp_path_factory.mktemp("ring")
-    mp.spawn(_ring_worker, args=(str(tmp / "store"), str(tmp)), nprocs=4, join=True)
-    return [torch.load(tmp / f"rank{rank}.pt") for rank in range(4)]
+    both ring sizes keeps the test quick."""
+    return on_gloo(_rings, 4, tmp_path_factory.mktemp("ring"))
 
 
 def _max_errors(parts: list[dict], full: dict) -> dict[str, float]:

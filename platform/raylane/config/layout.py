@@ -300,7 +300,7 @@ def _check_context(cfg: LayoutConfig) -> None:
         )
     if cfg.model.kind == "custom":
         raise ValueError(
-            f"parallelism.cp {par.cp} splits a gpt's attention over workers (ring attention); a "
+            f"parallelism.cp {par.cp} splits attention over workers (ring attention); a "
             "custom model (model.kind 'custom') has no context-parallel plan: set cp 1"
         )
     if cfg.model.kind not in ("gpt", "llama"):
@@ -320,7 +320,7 @@ def _check_pipelined(cfg: LayoutConfig) -> None:
     par = cfg.parallelism
     if cfg.model.kind == "custom":
         raise ValueError(
-            f"parallelism.pp {par.pp} cuts a gpt's blocks into pipeline stages; a custom model "
+            f"parallelism.pp {par.pp} cuts transformer blocks into pipeline stages; a custom model "
             "(model.kind 'custom') has no stage plan: set pp 1"
         )
     if cfg.model.kind not in ("gpt", "llama"):
