@@ -82,5 +82,6 @@ def run_quickstart(cfg: RaylaneConfig, rows: int, console: Console) -> None:
         console.print(f"run: {outcome.run_id}  checkpoint: {outcome.checkpoint_path}")
     finally:
         console.rule("shutting down")
-        stop_serve(local_ray=started)  # a no-op when Ray is not running
+        # a no-op when Ray is not running
+        stop_serve(local_ray=started, app_name=cfg.serving.app_name)
         disconnect_ray(started)

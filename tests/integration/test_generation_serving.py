@@ -20,7 +20,7 @@ from raylane.generation.engine import generate_without_cache
 from raylane.generation.loader import load_language_model
 from raylane.generation.sampling import SamplingParams
 
-from .conftest import ROOT, free_port, lm_overrides
+from .conftest import REFERENCE, ROOT, free_port, lm_overrides
 
 pytestmark = pytest.mark.integration
 
@@ -254,3 +254,54 @@ def test_fuzzed_generation_requests_never_get_a_5xx(generator):
     assert sum(call.endswith("/completions") for call, _ in calls) >= 16
     stats = _stats(url)
     assert stats["running"] == 0 and stats["free_slots"] == MAX_NUM_SEQS
+
+
+def test_a_digits_app_serves_beside_it_and_its_removal_leaves_the_lm_serving(
+    generator, trained, workspace
+):
+    """Two raylane applications on one Serve: the digits model (OIP infer) at /digits beside
+    the language model at /. A third asking for the language model's prefix is refused before
+    anything deploys; `raylane status` reads both; removing the digits app leaves the language
+    model answering."""
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    from raylane.serving.app import ServeConflictError, deploy, running_app_names, undeploy
+    from raylane.serving.status import collect_status
+
+    url, client, model, cfg, version = generator
+    at_root = [f"serving.port={cfg.serving.port}", "serving.app_name=digits"]
+    with pytest.raises(ServeConflictError, match="'/' is held by the running Serve app"):
+        deploy(load_config(REFERENCE, workspace.overrides(*at_root)))
+    digits = load_config(REFERENCE, workspace.overrides(
+        *at_root, "serving.route_prefix=/digits", "serving.autoscaling.max_replicas=1"
+    ))  # fmt: skip
+    digits_url, digits_version = deploy(digits)
+    try:
+        assert digits_url == f"{url}/digits" and running_app_names() == {"raylane", "digits"}
+        table = pq.read_table(trained[0].data.validation_path).slice(0, 60)
+        rows = np.stack(table.column("features").to_numpy(zero_copy_only=False))
+        body = {"inputs": [{"name": "features", "shape": list(rows.shape), "datatype": "FP32",
+                            "data": rows.reshape(-1).tolist()}]}  # fmt: skip
+        answer = httpx.post(f"{digits_url}/v2/models/digits/infer", json=body, timeout=30).json()
+        assert answer["model_version"] == str(digits_version), answer
+        labels = {o["name"]: o["data"] for o in answer["outputs"]}["label"]
+        assert np.mean(np.array(labels) == table.column("label").to_numpy()) >= 0.9
+        expected = _reference(model, PROMPT, 8)
+        lm = client.completions.create(model="pylm", prompt=PROMPT, max_tokens=8, temperature=0)
+        assert lm.choices[0].text == expected
+        report = {
+            r.app: r for r in collect_status(cfg).rows if r.deployment in ("model", "generator")
+        }
+        assert (report["digits"].route, report["digits"].versions) == ("/digits", {digits_version})
+        assert (report["raylane"].route, report["raylane"].versions) == ("/", {version})
+    finally:
+        assert undeploy("digits")
+    assert running_app_names() == {"raylane"}
+    lm = client.completions.create(model="pylm", prompt=PROMPT, max_tokens=8, temperature=0)
+    assert lm.choices[0].text == expected
+    # /digits/... now falls to the language model's application at /, which has no such route.
+    deadline = time.monotonic() + 10
+    while (gone := httpx.get(f"{digits_url}/v2/models/digits", timeout=10)).status_code != 404:
+        assert time.monotonic() < deadline, gone.text
+        time.sleep(0.2)

@@ -19,7 +19,7 @@ PANELS = {
     "Data": ["validate", "prepare"],
     "Training": ["train", "finetune", "quickstart"],
     "Planning": ["tune", "plan", "profile"],
-    "Serving": ["deploy", "generate", "promote", "status"],
+    "Serving": ["deploy", "generate", "promote", "status", "undeploy"],
     "Runs & models": ["runs", "models", "logs", "compare", "reproduce", "import", "export"],
     "Utilities": ["util"],
 }

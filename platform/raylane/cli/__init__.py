@@ -58,6 +58,8 @@ COMMANDS = (
            "Give a version the champion alias; a running app rolls.", SERVING),
     Listed("status", "raylane.cli.serving:status",
            "Serve apps, replicas and served versions on the cluster.", SERVING),
+    Listed("undeploy", "raylane.cli.serving:undeploy",
+           "Remove the config's Serve app; others keep serving.", SERVING),
     Listed("runs", "raylane.cli.browse:runs",
            "List tracked runs: status, start, strategy, metrics.", TRACKED),
     Listed("models", "raylane.cli.browse:models",

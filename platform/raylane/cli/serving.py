@@ -72,12 +72,13 @@ def deploy(
         finally:
             began = time.monotonic()
             if not detach:
-                serve_app.stop_serve(local_ray=started)
+                serve_app.stop_serve(local_ray=started, app_name=cfg.serving.app_name)
     if not detach and served is not None:
         what = f"{cfg.tracking.registered_model} v{served}"
         where = "and the local Ray " if started else ""
+        app = "" if cfg.serving.app_name == APP_NAME else f" {cfg.serving.app_name!r}"
         console.print(
-            f"stopped: Serve app ({what}) {where}in {time.monotonic() - began:.1f} s",
+            f"stopped: Serve app{app} ({what}) {where}in {time.monotonic() - began:.1f} s",
             highlight=False,
         )
 
@@ -141,7 +142,10 @@ def promote(
     with on_ray():
         rolled = serve_app.roll_running_app(cfg)
     if rolled is None:
-        console.print(f"no {APP_NAME!r} Serve app on the cluster: nothing to roll")
+        console.print(
+            f"no {cfg.serving.app_name!r} Serve app on the cluster: nothing to roll",
+            highlight=False,
+        )
     else:
         console.print(f"{rolled[0]} now serves v{rolled[1]}", highlight=False)
 
@@ -169,6 +173,25 @@ def status(config: ConfigOption = DEFAULT_CONFIG, overrides: ServingSetOption = 
     with on_ray():
         report = serve_status.collect_status(cfg)
     Console().print(serve_status.render_status(report))
+
+
+def undeploy(config: ConfigOption = DEFAULT_CONFIG, overrides: ServingSetOption = None) -> None:
+    """Remove the config's Serve application (serving.app_name) from the cluster.
+
+    Other applications keep serving; Serve stops with the last one.
+    Needs RAY_ADDRESS.
+
+    Example: raylane undeploy --config configs/train/lm_serve.yaml
+    """
+    setup_logging()
+    cfg = load(config, overrides)
+    if not _cluster_address():
+        raise fail("undeploy needs a running cluster: set RAY_ADDRESS (e.g. 127.0.0.1:6379)")
+    name = cfg.serving.app_name
+    with on_ray():
+        removed = serve_app.undeploy(name)
+    said = f"removed Serve app {name!r}" if removed else f"no {name!r} Serve app on the cluster"
+    console.print(said, highlight=False)
 
 
 def _cluster_address() -> str | None:

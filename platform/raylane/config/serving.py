@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -9,6 +10,13 @@ from pydantic import Field, field_validator, model_validator
 
 from raylane.config.model_uri import parse_model_uri
 from raylane.config.strict import StrictModel
+
+# A Serve application name (no '#', which Serve's replica ids use as a separator) that is also
+# safe in HAProxy backend names, metric labels and actor names.
+APP_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$"
+# A prefix Serve accepts (leading '/', no trailing '/', no '{}' wildcards) made of plain path
+# segments, away from Serve's own /-/healthz and /-/routes.
+ROUTE_PREFIX_PATTERN = r"^/$|^(?!/-(?:/|$))(?:/(?!\.\.?(?:/|$))[A-Za-z0-9._~-]+)+$"
 
 
 class AutoscalingConfig(StrictModel):
@@ -128,6 +136,22 @@ class ServingConfig(StrictModel):
         "'proxy' (Serve's Python proxy). A `ray start` cluster takes it from the environment "
         "of `ray start` (see docs/guides/production.md).",
     )
+    app_name: str = Field(
+        "raylane",
+        json_schema_extra={"pattern": APP_NAME_PATTERN},
+        description="Name of the Serve application: deploy, promote's rollout, status and "
+        "stopping act on this application only, so differently named applications (an infer "
+        "model and a language model, say) run side by side on one cluster, each at its own "
+        "route_prefix.",
+    )
+    route_prefix: str = Field(
+        "/",
+        json_schema_extra={"pattern": ROUTE_PREFIX_PATTERN},
+        description="Path under which the application answers: '/' (its routes at the "
+        "endpoint's root) or e.g. '/lm' (/lm/v1/completions, /lm/docs). Applications on one "
+        "cluster share the HTTP port and each needs its own prefix; a request goes to the "
+        "application with the longest matching prefix.",
+    )
     model_name: str = Field(
         "digits",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
@@ -204,6 +228,26 @@ class ServingConfig(StrictModel):
     autoscaling: AutoscalingConfig = Field(
         default_factory=AutoscalingConfig, description="Replica autoscaling."
     )
+
+    @field_validator("app_name")
+    @classmethod
+    def _serve_app_name(cls, value: str) -> str:
+        if not re.fullmatch(APP_NAME_PATTERN, value):
+            raise ValueError(
+                f"{value!r} is not a Serve application name: 1-63 letters, digits, '-' or '_', "
+                "starting with a letter or digit"
+            )
+        return value
+
+    @field_validator("route_prefix")
+    @classmethod
+    def _serve_route_prefix(cls, value: str) -> str:
+        if not re.fullmatch(ROUTE_PREFIX_PATTERN, value):
+            raise ValueError(
+                f"{value!r} is not a route prefix: '/' or '/name[/name...]' (letters, digits, "
+                "'.', '_', '~', '-'; no trailing '/', '.' or '..'; not Serve's own '/-/')"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check_batching(self) -> ServingConfig:

@@ -163,8 +163,51 @@ def app_builder(args: dict[str, Any]):
 
 
 def endpoint_url(cfg: RaylaneConfig) -> str:
+    """Where the application answers: Serve's address and `serving.route_prefix`."""
     host = "127.0.0.1" if cfg.serving.host in ("0.0.0.0", "::") else cfg.serving.host
-    return f"http://{host}:{cfg.serving.port}"
+    prefix = "" if cfg.serving.route_prefix == "/" else cfg.serving.route_prefix
+    return f"http://{host}:{cfg.serving.port}{prefix}"
+
+
+DEFAULT_SERVE_PORT = 8000  # Serve's HTTP port when it was started without one
+
+
+class ServeConflictError(ServedModelError):
+    """Serve on the cluster cannot take the application as configured: another application
+    holds its route prefix, or Serve listens on another port (one line)."""
+
+
+def serve_conflict(cfg: RaylaneConfig, details: dict[str, Any] | None) -> str | None:
+    """Why the running Serve (`details`, as `serve_details` gives them; None when Serve is not
+    running) cannot take `cfg`'s application, or None. Its own application may be redeployed
+    at any prefix; an application being deleted frees its prefix, as Serve counts it."""
+    if details is None:
+        return None
+    name, prefix = cfg.serving.app_name, cfg.serving.route_prefix
+    port = details.get("http_options", {}).get("port", DEFAULT_SERVE_PORT)
+    if port != cfg.serving.port:
+        return (
+            f"Serve on this cluster listens on port {port}, not serving.port {cfg.serving.port}: "
+            f"its applications share that port (--set serving.port={port})"
+        )
+    for other, app in details.get("applications", {}).items():
+        if other != name and app.get("route_prefix") == prefix and app.get("status") != "DELETING":
+            return (
+                f"serving.route_prefix {prefix!r} is held by the running Serve application "
+                f"{other!r}: give application {name!r} a prefix of its own (e.g. --set "
+                f"serving.route_prefix=/{name})"
+            )
+    return None
+
+
+def serve_details() -> dict[str, Any] | None:
+    """Serve's description of itself (applications with their route prefixes, HTTP options),
+    or None when no Serve controller runs on the connected cluster."""
+    # Serve's own client, as `serve.status()` reads it: that status carries no route prefixes.
+    from ray.serve.context import _get_global_client
+
+    client = _get_global_client(raise_if_no_controller_running=False)
+    return None if client is None else client.get_serve_details()
 
 
 def wait_until_serving(
@@ -189,7 +232,9 @@ def wait_until_serving(
 
 
 def deploy(cfg: RaylaneConfig) -> tuple[str, int]:
-    """Deploy (or roll the running app onto) the chosen version; wait until it answers.
+    """Deploy (or roll the running app onto) the chosen version as Serve application
+    `serving.app_name` at `serving.route_prefix`; wait until it answers. Other applications on
+    the cluster keep running.
 
     With the app already running, Serve starts replicas of the new version, moves traffic to
     them once they are ready and drains the old ones: requests keep being answered throughout.
@@ -199,6 +244,8 @@ def deploy(cfg: RaylaneConfig) -> tuple[str, int]:
         ModelNotFoundError: the pinned version, the champion alias or the draft model does
             not exist (checked before anything is deployed).
         ServedModelError: an adapter served as infer, or a draft that cannot propose.
+        ServeConflictError: another application holds the route prefix, or Serve runs on
+            another port.
         ApiKeyError: `serving.api_key_file` is set but unreadable or empty.
     """
     from ray import serve
@@ -209,9 +256,13 @@ def deploy(cfg: RaylaneConfig) -> tuple[str, int]:
     check_served_models(cfg, tracking_uri, version)
     api_key = load_api_key_for(cfg)
     app = build_app(cfg, tracking_uri, version, api_key)
+    conflict = serve_conflict(cfg, serve_details())
+    if conflict:
+        raise ServeConflictError(conflict)
     serve.start(http_options={"host": cfg.serving.host, "port": cfg.serving.port})
     with long_step(f"starting replicas of {cfg.tracking.registered_model} v{version}"):
-        serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
+        name, prefix = cfg.serving.app_name, cfg.serving.route_prefix
+        serve.run(app, name=name, route_prefix=prefix, blocking=False)
         url = endpoint_url(cfg)
         wait_until_serving(url, cfg.serving.model_name, version, api_key)
     log.info("serving %s v%d at %s", cfg.tracking.registered_model, version, url)
@@ -219,9 +270,9 @@ def deploy(cfg: RaylaneConfig) -> tuple[str, int]:
 
 
 def roll_running_app(cfg: RaylaneConfig) -> tuple[str, int] | None:
-    """Roll raylane's running app onto the version `cfg` picks (after `raylane promote`), as
-    `deploy` does; None when no raylane app runs on the connected cluster."""
-    if APP_NAME not in running_app_names():
+    """Roll the running application `serving.app_name` onto the version `cfg` picks (after
+    `raylane promote`), as `deploy` does; None when it does not run on the connected cluster."""
+    if cfg.serving.app_name not in running_app_names():
         return None
     return deploy(cfg)
 
@@ -252,20 +303,41 @@ def shutdown_serve(timeout_s: float = 120.0) -> None:
     _wait_for_controller_exit(timeout_s)
 
 
-def stop_serve(local_ray: bool) -> None:
-    """Stop serving before the caller disconnects. On a Ray this process started (`local_ray`)
-    only raylane's app is deleted (its replicas drain and stop gracefully) and Serve's
-    controller ends with Ray: `serve.shutdown()` there has the controller kill itself during its
-    own graceful-shutdown call, which Ray reports on the console as a failed task. On a cluster,
-    Serve is shut down (`shutdown_serve`)."""
+def stop_serve(local_ray: bool, app_name: str = APP_NAME) -> None:
+    """Stop serving application `app_name` before the caller disconnects. On a Ray this
+    process started (`local_ray`) only that application is deleted (its replicas drain and stop
+    gracefully) and Serve's controller ends with Ray: `serve.shutdown()` there has the
+    controller kill itself during its own graceful-shutdown call, which Ray reports on the
+    console as a failed task. On a cluster, other applications keep running
+    (`undeploy`)."""
     import ray
+
+    if not ray.is_initialized():
+        return
+    if local_ray:
+        if app_name in running_app_names():
+            _delete_app(app_name)
+    else:
+        undeploy(app_name)
+
+
+def undeploy(app_name: str) -> bool:
+    """Remove Serve application `app_name` from the connected cluster (its replicas drain and
+    stop), leaving every other application serving; Serve itself is shut down
+    (`shutdown_serve`) when it held no other. False when `app_name` was not running."""
+    running = running_app_names()
+    if running <= {app_name}:
+        shutdown_serve()
+    elif app_name in running:
+        _delete_app(app_name)
+    return app_name in running
+
+
+def _delete_app(app_name: str) -> None:
     from ray import serve
 
-    if not local_ray:
-        shutdown_serve()
-    elif ray.is_initialized() and APP_NAME in running_app_names():
-        logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the caller says what stopped
-        serve.delete(APP_NAME)
+    logging.getLogger("ray.serve").setLevel(logging.WARNING)  # the caller says what stopped
+    serve.delete(app_name)
 
 
 def _wait_for_controller_exit(timeout_s: float) -> None:

@@ -13,6 +13,15 @@ class ProtocolError(ValueError):
         self.headers = headers or {}
 
 
+def route_path(scope) -> str:
+    """The request's path within its Serve application: Serve gives an application under a
+    route prefix that prefix as the ASGI `root_path` and leaves it in `path`."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root):
+        return path[len(root) :] or "/"
+    return path
+
+
 class ServedModelError(ValueError):
     """The registered versions a config names cannot be served as it asks (one line)."""
 

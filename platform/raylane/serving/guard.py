@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from raylane.serving.errors import send_json_error
+from raylane.serving.errors import route_path, send_json_error
 
 # Open without a key: probes and the API description. Everything else needs it when set.
 OPEN_PATHS = ("/v2/health/", "/docs", "/openapi.json", "/redoc")
@@ -65,7 +65,7 @@ class RequestGuard:
             return await self.app(scope, receive, send)
         settings = self.settings
         headers = dict(scope.get("headers") or ())
-        if _needs_key(settings, scope["path"]) and not _authorised(
+        if _needs_key(settings, route_path(scope)) and not _authorised(
             headers.get(b"authorization", b""), settings.key_digest
         ):
             return await send_json_error(

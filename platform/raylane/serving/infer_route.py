@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from raylane.serving.binary_tensors import HEADER_LENGTH
-from raylane.serving.errors import ProtocolError, send_json_error
+from raylane.serving.errors import ProtocolError, route_path, send_json_error
 
 INFER_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?/infer$")
 _HEADER_KEY = HEADER_LENGTH.lower().encode()
@@ -42,7 +42,7 @@ class InferRoute:
         self.target = target
 
     async def __call__(self, scope, receive, send):
-        match = INFER_PATH.match(scope["path"]) if scope["type"] == "http" else None
+        match = INFER_PATH.match(route_path(scope)) if scope["type"] == "http" else None
         handler = self.target.handler
         if match is None or handler is None:
             return await self.app(scope, receive, send)
