@@ -8,7 +8,15 @@ preparations, each in a fresh process so its peak RSS is its own:
   (a) in memory (`prepare_files`) of a corpus it can hold (`--memory-size-mb`);
   (b) streamed (`prepare_streaming`) of the same corpus, side by side with (a);
   (c) streamed of a corpus several times larger than Ray's object store (`--size-mb`, the
-      object store `--object-store-mb`).
+      object store `--object-store-mb`);
+  (d) training on a streamed corpus (`--train-size-mb`; 0 skips it): one epoch of 2 DDP
+      workers (a 38k-parameter GPT, so the data path, not the model, is what is measured)
+      reading the splits through Ray Data (`data.feed: ray_data`, `data.cache: false`) while
+      the training split's windows, as Ray Data blocks (two int64 columns: 16 bytes a token),
+      are larger than the object store. Reported: the driver's peak RSS, the largest
+      worker's (the run's `peak_rss_mb`), and the share of the step time spent waiting for
+      input (`step_data_wait_ms / step_ms`). Targets: driver and every worker under
+      `DRIVER_RSS_BOUND_MB` / `WORKER_RSS_BOUND_MB`, data_wait_fraction <= 0.05.
 
 Each reports the driver's peak RSS (and its RSS before preparing: the process with Ray
 connected), seconds, MB/s of source text and tokens/s (tokens in the packed streams, bytes
@@ -16,6 +24,7 @@ tokenizer, context 256). Timing starts after Ray is connected and the sources ar
 last line printed is one JSON object.
 
     python benchmarks/data_pipeline.py [--size-mb 400] [--memory-size-mb 40] [--object-store-mb 80]
+                                       [--train-size-mb 12]
 """
 
 from __future__ import annotations
@@ -30,16 +39,24 @@ import sys
 import sysconfig
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 from raylane.config import load_config
+from raylane.data import ensure_dataset
 from raylane.data.files import find_sources, prepare_files
 from raylane.data.streaming import prepare_streaming
 
 ROOT = Path(__file__).resolve().parents[1]
 LM = ROOT / "configs" / "train" / "lm_pipeline.yaml"
+DDP_LM = ROOT / "configs" / "train" / "lm_serve.yaml"
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
 CONTEXT = 256
+#: (d)'s targets: peak RSS of the driver and of the largest training worker.
+DRIVER_RSS_BOUND_MB = 600
+WORKER_RSS_BOUND_MB = 1000
+#: (d)'s model: small enough that the 2 workers ask for data as fast as they can.
+TINY_GPT = ["model.d_model=32", "model.n_heads=2", "model.n_layers=1", "training.batch_size=16"]
 
 
 def write_corpus(root: Path, size_mb: int, seed: int = 0) -> int:
@@ -67,26 +84,34 @@ def write_corpus(root: Path, size_mb: int, seed: int = 0) -> int:
     return written
 
 
-def child(mode: str, corpus: Path, out: Path, object_store_mb: int) -> dict:
-    """One preparation in this process; its figures."""
-    overrides = [
+def _data_overrides(corpus: Path, out: Path, feed: str) -> list[str]:
+    return [
         "data.source=files",
         f"data.files=[{corpus}/**/*.txt,{corpus}/*.jsonl]",
         f"data.train_path={out}/train.parquet",
         f"data.validation_path={out}/validation.parquet",
-        f"data.feed={'memory' if mode == 'memory' else 'ray_data'}",
+        f"data.feed={feed}",
         f"model.input_dim={CONTEXT}",
     ]
-    cfg = load_config(LM, overrides)
-    if mode != "memory":
-        import ray  # the streamed preparation's Ray: a small object store, on purpose
 
-        ray.init(
-            num_cpus=os.cpu_count(),
-            object_store_memory=object_store_mb * 2**20,
-            include_dashboard=False,
-            log_to_driver=False,
-        )
+
+def _start_ray(object_store_mb: int) -> None:
+    import ray  # the benchmark's own Ray: a small object store, on purpose
+
+    ray.init(
+        num_cpus=os.cpu_count(),
+        object_store_memory=object_store_mb * 2**20,
+        include_dashboard=False,
+        log_to_driver=False,
+    )
+
+
+def child(mode: str, corpus: Path, out: Path, object_store_mb: int) -> dict:
+    """One preparation in this process; its figures."""
+    feed = "memory" if mode == "memory" else "ray_data"
+    cfg = load_config(LM, _data_overrides(corpus, out, feed))
+    if mode != "memory":
+        _start_ray(object_store_mb)
     sources = find_sources(cfg)
     before = _peak_rss_mb()
     start = time.perf_counter()
@@ -111,6 +136,42 @@ def child(mode: str, corpus: Path, out: Path, object_store_mb: int) -> dict:
     }
 
 
+def train_child(corpus: Path, out: Path, object_store_mb: int) -> dict:
+    """(d) in this process: the corpus prepared streamed, then one epoch of 2 DDP workers
+    reading it through Ray Data; its figures."""
+    overrides = [*_data_overrides(corpus, out, "ray_data"), "data.cache=false", *TINY_GPT]
+    overrides += ["training.epochs=1", f"training.storage_path={out}/runs"]
+    overrides += [f"tracking.tracking_uri=sqlite:///{out}/mlflow.db"]
+    cfg = load_config(DDP_LM, overrides)
+    # Here only: torch and MLflow would add ~250 MB to (a)-(c)'s driver RSS, which they measure.
+    from raylane.train.job import run_training
+
+    _start_ray(object_store_mb)
+    start = time.perf_counter()
+    train, validation = ensure_dataset(cfg)
+    prepared = time.perf_counter()
+    metrics = run_training(cfg, register=False).metrics
+    seconds = time.perf_counter() - prepared
+    block_mb = train.rows * 2 * CONTEXT * 8 / 2**20  # features and labels, int64
+    wait = metrics["step_data_wait_ms"] / metrics["step_ms"]
+    return {
+        "mode": "train",
+        "train_windows": train.rows,
+        "validation_windows": validation.rows,
+        "train_blocks_mb": round(block_mb),
+        "train_blocks_over_object_store": round(block_mb / object_store_mb, 2),
+        "prepare_seconds": round(prepared - start, 1),
+        "train_seconds": round(seconds, 1),
+        "epoch_seconds": round(metrics["epoch_time_s"], 1),
+        "tokens_per_s": round(train.rows * CONTEXT / metrics["epoch_time_s"]),
+        "step_ms": round(metrics["step_ms"], 2),
+        "data_wait_fraction": round(wait, 4),
+        "driver_peak_rss_mb": round(_peak_rss_mb()),
+        "worker_peak_rss_mb": round(metrics["peak_rss_mb"]),
+        "val_loss": round(metrics["val_loss"], 3),
+    }
+
+
 def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: kB
 
@@ -132,11 +193,13 @@ def main() -> None:
     parser.add_argument("--size-mb", type=int, default=400)
     parser.add_argument("--memory-size-mb", type=int, default=40)
     parser.add_argument("--object-store-mb", type=int, default=80)
+    parser.add_argument("--train-size-mb", type=int, default=12)
     parser.add_argument("--child", nargs=3, metavar=("MODE", "CORPUS", "OUT"))
     args = parser.parse_args()
     if args.child:
         mode, corpus, out = args.child
-        print(json.dumps(child(mode, Path(corpus), Path(out), args.object_store_mb)))
+        measure = train_child if mode == "train" else partial(child, mode)
+        print(json.dumps(measure(Path(corpus), Path(out), args.object_store_mb)))
         return
     with tempfile.TemporaryDirectory(prefix="raylane-data-bench-") as tmp:
         small, large = Path(tmp) / "small", Path(tmp) / "large"
@@ -145,6 +208,12 @@ def main() -> None:
         streamed = run("streaming", small, Path(tmp) / "out-small", args.object_store_mb)
         write_corpus(large, args.size_mb, seed=1)
         big = run("streaming", large, Path(tmp) / "out-large", args.object_store_mb)
+        trained = None
+        if args.train_size_mb:
+            write_corpus(Path(tmp) / "train", args.train_size_mb, seed=2)
+            trained = run(
+                "train", Path(tmp) / "train", Path(tmp) / "out-train", args.object_store_mb
+            )
     result = {
         "object_store_mb": args.object_store_mb,
         "cpus": os.cpu_count(),
@@ -152,7 +221,14 @@ def main() -> None:
         "streaming_same_corpus": streamed,
         "streaming_large": big,
         "large_over_object_store": round(big["source_mb"] / args.object_store_mb, 1),
+        "train": trained,
     }
+    if trained:
+        result["targets_met"] = {
+            "stream_peak_rss_mb": trained["driver_peak_rss_mb"] <= DRIVER_RSS_BOUND_MB
+            and trained["worker_peak_rss_mb"] <= WORKER_RSS_BOUND_MB,
+            "data_wait_fraction": trained["data_wait_fraction"] <= 0.05,
+        }
     print(json.dumps(result))
 
 

@@ -12,6 +12,7 @@ import pyarrow as pa
 import pytest
 
 from raylane.config import DataConfig
+from raylane.config.loader import ConfigError
 from raylane.data import DataError
 from raylane.data.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from raylane.data.corpus import Document, jsonl_documents, read_corpus
@@ -135,9 +136,10 @@ def test_one_unit_packs_as_the_in_memory_preparation(tmp_path, tokenizer):
 
 def test_many_units_hold_each_document_whole_and_in_order(tmp_path):
     _corpus(tmp_path, rows=300)
-    cfg = _cfg(tmp_path)
+    cfg = _cfg(tmp_path, f"data.stream_unit_mib={4096 / 2**20}")  # 4 KiB units
     files, entries = _sources(cfg)
-    units = plan_units(files, entries, cfg.data, unit_bytes=4096)
+    units = plan_units(files, entries, cfg.data)
+    assert len(plan_units(files, entries, _cfg(tmp_path).data)) == 1  # the 4 MiB default
     fraction = cfg.data.validation_fraction
     assert len(units) > 5 and decode_unit(encode_unit(units[2])) == units[2]
     streamed = {name: [] for name in SPLITS}
@@ -173,16 +175,31 @@ def test_figures_sum_and_name_the_first_bad_row_in_unit_order():
     assert skipped == [3, "a:7: x"]
 
 
-def test_the_streaming_rule_and_its_fingerprint(tmp_path, monkeypatch):
+def test_the_streaming_rule_and_its_fingerprint(tmp_path):
     _corpus(tmp_path)
     small = _cfg(tmp_path)
     forced = _cfg(tmp_path, "data.feed=ray_data")
     assert not find_sources(small).streaming and find_sources(forced).streaming
     assert find_sources(small).fingerprint != find_sources(forced).fingerprint
-    monkeypatch.setattr("raylane.data.files.STREAMING_SOURCE_BYTES", 1000)
-    assert find_sources(small).streaming
+    # The corpus is ~0.1 MiB: above a 0.01 MiB threshold 'auto' streams it, as 'ray_data' does.
+    low = _cfg(tmp_path, "data.stream_above_mib=0.01")
+    assert find_sources(low).streaming
+    assert find_sources(low).fingerprint == find_sources(forced).fingerprint
     files, entries = _sources(_cfg(tmp_path, "data.feed=memory"))
-    assert not streams(_cfg(tmp_path, "data.feed=memory"), files, entries)
+    assert not streams(
+        _cfg(tmp_path, "data.feed=memory", "data.stream_above_mib=0.01"), files, entries
+    )
+    # The unit size changes the streamed rows (each unit's tail is dropped), not the in-memory.
+    units = "data.stream_unit_mib=1"
+    assert find_sources(_cfg(tmp_path, units)).fingerprint == find_sources(small).fingerprint
+    streamed = find_sources(_cfg(tmp_path, "data.feed=ray_data", units))
+    assert streamed.fingerprint != find_sources(forced).fingerprint
+
+
+@pytest.mark.parametrize("field", ["stream_above_mib", "stream_unit_mib"])
+def test_streaming_sizes_are_positive(tmp_path, field):
+    with pytest.raises(ConfigError, match=f"data.{field}: Input should be greater than 0"):
+        _cfg(tmp_path, f"data.{field}=0")
 
 
 def test_units_figures_are_kept_once_and_the_first_bad_row_by_unit_order():

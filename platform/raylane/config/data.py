@@ -137,12 +137,41 @@ class DataConfig(StrictModel):
         "data-parallel workers), for data of any size. 'auto': memory when cache is on and the "
         "two splits together are at most 64 MB on disk. Source 'files' text and JSONL are "
         "prepared by Ray Data, streamed, never all in the driver's memory, under 'ray_data', "
-        "or 'auto' with more than 256 MiB of source files: each document goes to a split by "
-        "a seeded hash of its file's sha256 (and JSONL line), and the files are packed in "
-        "units of about 4 MiB, the tokens after each unit's last window dropped (manifest "
+        "or 'auto' with more than `stream_above_mib` of source files: each document goes to a "
+        "split by a seeded hash of its file's sha256 (and JSONL line), and the files are "
+        "packed in units of `stream_unit_mib`, the tokens after each unit's last window "
+        "dropped (manifest "
         "`dropped_tokens`); the splits are then directories of Parquet files. Otherwise "
         "(and always for tables) the driver reads, splits and packs them in memory.",
     )
+    stream_above_mib: float = Field(
+        256.0,
+        gt=0,
+        description="feed 'auto', source 'files' text and JSONL: more than this many MiB of "
+        "source files in all are prepared by Ray Data, streamed (see `feed`); this many or "
+        "fewer, by the driver in memory. Lower it when the driver's memory is smaller than a "
+        "few times the corpus (the in-memory preparation peaks at about 35x the text).",
+    )
+    stream_unit_mib: float = Field(
+        4.0,
+        gt=0,
+        le=1024,
+        description="Streamed preparation: the MiB of source files in one unit of work (a "
+        "whole text file, or whole JSONL lines, however large one is). A task holds a unit's "
+        "text, tokens and windows at once, so its memory grows with this; smaller units make "
+        "more tasks, each with a start-up cost, and drop more tokens (those after each unit's "
+        "last window). Part of what the prepared splits depend on.",
+    )
+
+    @property
+    def stream_above_bytes(self) -> int:
+        """`stream_above_mib` in bytes."""
+        return int(self.stream_above_mib * 2**20)
+
+    @property
+    def stream_unit_bytes(self) -> int:
+        """`stream_unit_mib` in bytes (at least 1)."""
+        return max(1, int(self.stream_unit_mib * 2**20))
 
     @property
     def tabular(self) -> bool:

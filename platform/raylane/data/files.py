@@ -36,11 +36,10 @@ from raylane.data.tokenizer import (
 TOKENIZER_FILE = "tokenizer.json"
 #: Bumped when the same inputs would be prepared differently: the fingerprint changes with it.
 PREPARATION_VERSION = 2
-#: Data fields that do not change the prepared rows.
-_UNUSED_FIELDS = {"cache", "feed", "max_bytes"}
+#: Data fields that do not change the prepared rows (the unit size only when streamed: then
+#: the fingerprint records it apart).
+_UNUSED_FIELDS = {"cache", "feed", "max_bytes", "stream_above_mib", "stream_unit_mib"}
 _PATH_FIELDS = {"files", "train_path", "validation_path"}
-#: Text and JSONL sources above this many bytes are prepared by Ray Data under `data.feed: auto`.
-STREAMING_SOURCE_BYTES = 256 * 2**20
 
 
 @dataclass(frozen=True)
@@ -71,11 +70,11 @@ def given_tokenizer_path(cfg: RaylaneConfig) -> Path | None:
 def streams(cfg: RaylaneConfig, files: list[Path], entries: list[dict]) -> bool:
     """Whether text and JSONL files are prepared by Ray Data, streamed, instead of in the
     driver's memory: under `data.feed: ray_data`, or `auto` with more than
-    `STREAMING_SOURCE_BYTES` of sources. Tables are always prepared in memory."""
+    `data.stream_above_mib` of sources. Tables are always prepared in memory."""
     data = cfg.data
     if data.feed == "memory" or is_table(files, data.format):
         return False
-    large = sum(entry["bytes"] for entry in entries) > STREAMING_SOURCE_BYTES
+    large = sum(entry["bytes"] for entry in entries) > data.stream_above_bytes
     return data.feed == "ray_data" or large
 
 
@@ -102,6 +101,7 @@ def find_sources(cfg: RaylaneConfig) -> Sources:
     streaming = streams(cfg, files, entries)
     if streaming:  # another split rule and packing (absent: earlier manifests still match)
         record["streaming"] = True
+        record["unit_bytes"] = cfg.data.stream_unit_bytes  # where each unit's tail is dropped
     fingerprint = hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()
     return Sources(files, entries, fingerprint, streaming)
 

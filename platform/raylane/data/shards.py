@@ -32,8 +32,6 @@ from raylane.data.errors import DataError
 from raylane.data.packing import Packed, pack
 from raylane.data.tokenizer import Tokenizer
 
-#: Source bytes per unit of work: a worker holds a unit's text, tokens and windows at once.
-UNIT_BYTES = 4 * 2**20
 #: The splits, in the order the manifest lists them.
 SPLITS = ("train", "validation")
 #: The manifest's per-split figures of a streamed preparation.
@@ -53,10 +51,12 @@ class Span:
 
 
 def plan_units(
-    files: list[Path], entries: list[dict], data: DataConfig, unit_bytes: int = UNIT_BYTES
+    files: list[Path], entries: list[dict], data: DataConfig, unit_bytes: int | None = None
 ) -> list[list[Span]]:
-    """The files as units of about `unit_bytes` each, in file order: text files whole (a file
-    larger than a unit is a unit of its own), JSONL files cut after a newline."""
+    """The files as units of about `unit_bytes` each (default `data.stream_unit_mib`), in file
+    order: text files whole (a file larger than a unit is a unit of its own), JSONL files cut
+    after a newline."""
+    unit_bytes = unit_bytes or data.stream_unit_bytes
     units: list[list[Span]] = [[]]
     size = 0
     for path, entry in zip(files, entries, strict=True):

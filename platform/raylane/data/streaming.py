@@ -42,7 +42,6 @@ from raylane.data.files import (
 )
 from raylane.data.shards import (
     SPLITS,
-    UNIT_BYTES,
     decode_unit,
     encode_unit,
     merge_figures,
@@ -54,12 +53,12 @@ from raylane.data.text import MANIFEST
 from raylane.data.tokenizer import BYTES, Tokenizer, check_vocabulary, load_tokenizer, train_bpe
 
 
-def prepare_streaming(
-    cfg: RaylaneConfig, sources: Sources, unit_bytes: int = UNIT_BYTES
-) -> tuple[int, int]:
-    """Prepare text and JSONL files with Ray Data (see the module); returns each split's
-    windows. Uses the connected Ray, else starts a local one for the preparation."""
+def prepare_streaming(cfg: RaylaneConfig, sources: Sources) -> tuple[int, int]:
+    """Prepare text and JSONL files with Ray Data (see the module), in units of
+    `data.stream_unit_mib`; returns each split's windows. Uses the connected Ray, else starts a
+    local one for the preparation."""
     data = cfg.data
+    unit_bytes = data.stream_unit_bytes
     given_path = given_tokenizer_path(cfg)
     given = None if given_path is None else load_tokenizer(given_path)
     if given is not None:
