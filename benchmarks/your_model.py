@@ -14,12 +14,14 @@ logits are compared first: max abs difference, fp32).
   on the 8 prompts as one left-padded batch (its KV cache). Tokens per second of wall time;
   `generate_vs_hf` = raylane's / HF's (medians of 3 rounds). The greedy tokens of the first
   prompt are compared.
-- **lora**: rank-8 adapters on q, k, v, o, gate, up and down (`raylane.models.adapters`):
-  `trainable_fraction` and `adapter_bytes_ratio` (the adapter's safetensors / the base's).
+- **lora**: the adapters `configs/finetune/llama_lora.yaml` sets (rank 4 on q, k, v, o, gate,
+  up and down: every linear layer of the blocks, as QLoRA recommends, at a small rank;
+  `raylane.models.adapters`): `trainable_fraction` and `adapter_bytes_ratio` (the adapter's
+  safetensors / the base's). `--lora-only` measures these alone (a few seconds).
 
 The last line printed is one JSON object with those figures.
 
-    python benchmarks/your_model.py [--threads 2] [--steps 12] [--new-tokens 32]
+    python benchmarks/your_model.py [--threads 2] [--steps 12] [--new-tokens 32] [--lora-only]
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from pathlib import Path
 
 import torch
 import transformers
+import yaml
 from safetensors.torch import save_file
 
 from raylane.config.finetune import FinetuneConfig
@@ -51,7 +54,8 @@ from raylane.parallel.base import StrategyDefaults
 CONFIG = LlamaConfig(vocab_size=8192, d_model=384, n_layers=8, n_heads=6, n_kv_heads=2,
                      ffn_dim=1024, max_positions=256)  # fmt: skip
 BATCH, SEQ, WARMUP, CONCURRENT, REPEATS = 8, 128, 3, 8, 3
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+#: The shipped LoRA fine-tuning of an imported Llama, whose adapters the footprint measures.
+LORA_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "finetune" / "llama_lora.yaml"
 
 
 class OneProcess(StrategyDefaults):
@@ -167,15 +171,22 @@ def _codec(directory: Path):
     return dataclasses.replace(load_codec(directory), eos_ids=frozenset())
 
 
+def lora_settings() -> FinetuneConfig:
+    """The `finetune:` section of the shipped LoRA config (rank, alpha, target modules)."""
+    return FinetuneConfig.model_validate(yaml.safe_load(LORA_CONFIG.read_text())["finetune"])
+
+
 def lora_footprint(ours, directory: Path) -> dict[str, float]:
-    model = apply_lora(ours, FinetuneConfig(base="models:/benchmark/1", method="lora", rank=8,
-                                           target_modules=LORA_TARGETS))  # fmt: skip
+    settings = lora_settings()
+    model = apply_lora(ours, settings)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     save_file(adapter_state(model), directory / "adapter.safetensors")
     base_bytes = (directory / "model.safetensors").stat().st_size
     adapter_bytes = (directory / "adapter.safetensors").stat().st_size
     return {
+        "lora_rank": settings.rank,
+        "lora_targets": ",".join(settings.target_modules),
         "trainable_fraction": trainable / total,
         "adapter_bytes_ratio": adapter_bytes / base_bytes,
     }
@@ -186,6 +197,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--lora-only", action="store_true", help="LoRA's footprint alone")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
@@ -193,16 +205,19 @@ def main() -> None:
         params = sum(p.numel() for p in ours.parameters())
         print(f"Llama {params / 1e6:.1f}M parameters; logits vs transformers: max abs {apart:.1e}")
         result = {"parameters": params, "logits_max_abs": apart, "threads": args.threads}
-        result |= train_steps(ours, theirs, args.steps)
-        print(f"train step: raylane {result['raylane_step_s']:.3f} s, transformers "
-              f"{result['hf_step_s']:.3f} s (x{result['train_vs_hf']:.2f})")  # fmt: skip
-        result |= generate(ours, theirs, args.new_tokens, Path(tmp))
-        print(f"generate, {CONCURRENT} concurrent: raylane {result['raylane_tokens_per_s']:.0f} "
-              f"tok/s, transformers {result['hf_tokens_per_s']:.0f} tok/s "
-              f"(x{result['generate_vs_hf']:.2f})")  # fmt: skip
+        if not args.lora_only:
+            result |= train_steps(ours, theirs, args.steps)
+            print(f"train step: raylane {result['raylane_step_s']:.3f} s, transformers "
+                  f"{result['hf_step_s']:.3f} s (x{result['train_vs_hf']:.2f})")  # fmt: skip
+            result |= generate(ours, theirs, args.new_tokens, Path(tmp))
+            print(f"generate, {CONCURRENT} concurrent: raylane "
+                  f"{result['raylane_tokens_per_s']:.0f} tok/s, transformers "
+                  f"{result['hf_tokens_per_s']:.0f} tok/s "
+                  f"(x{result['generate_vs_hf']:.2f})")  # fmt: skip
         result |= lora_footprint(ours, Path(tmp))
-        print(f"LoRA rank 8 on q,k,v,o,gate,up,down: trainable {result['trainable_fraction']:.4f}, "
-              f"adapter/base bytes {result['adapter_bytes_ratio']:.4f}")  # fmt: skip
+        print(f"LoRA rank {result['lora_rank']} on {result['lora_targets']}: trainable "
+              f"{result['trainable_fraction']:.4f}, adapter/base bytes "
+              f"{result['adapter_bytes_ratio']:.4f}")  # fmt: skip
     print(json.dumps(result))
 
 

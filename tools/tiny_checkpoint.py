@@ -4,21 +4,26 @@ byte-level BPE tokenizer trained here on the Python standard library's source.
 
     python tools/tiny_checkpoint.py checkpoints/tiny-llama
     python tools/tiny_checkpoint.py checkpoints/tiny-qwen2 --family qwen2 --vocab 1024
+    python tools/tiny_checkpoint.py checkpoints/tiny-draft --layers 1 \
+        --tokenizer-from checkpoints/tiny-llama
 
 The directory holds `config.json`, `model.safetensors`, `generation_config.json`,
 `tokenizer.json` and `tokenizer_config.json` (end-of-text token and raylane's chat template),
 as a checkpoint from the Hub would; `raylane train --set model.pretrained=DIR` loads it.
+`--tokenizer-from DIR` copies another checkpoint's tokenizer files instead of training one: a
+smaller model of the same tokenizer, such as a speculative draft.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sysconfig
 from pathlib import Path
 
 from raylane.data.chat import DEFAULT_CHAT_TEMPLATE
-from raylane.data.tokenizer import END_OF_TEXT, train_bpe
+from raylane.data.tokenizer import END_OF_TEXT, load_tokenizer, train_bpe
 
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
@@ -49,6 +54,16 @@ def write_tokenizer(directory: Path, vocab: int, max_bytes: int) -> int:
     }
     (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return tokenizer.eot_id
+
+
+def copy_tokenizer(source: Path, directory: Path) -> tuple[int, int]:
+    """Copy tokenizer.json and tokenizer_config.json from `source`; (end-of-text id, size)."""
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if not (source / name).is_file():
+            raise SystemExit(f"error: --tokenizer-from {source}: no {name} there")
+        shutil.copyfile(source / name, directory / name)
+    tokenizer = load_tokenizer(directory / "tokenizer.json")
+    return tokenizer.eot_id, tokenizer.vocab_size
 
 
 def write_model(directory: Path, family: str, vocab: int, eot: int, args) -> None:
@@ -82,9 +97,13 @@ def main() -> None:
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--text-bytes", type=int, default=1 << 19, help="BPE training text")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tokenizer-from", type=Path, help="copy this checkpoint's tokenizer")
     args = parser.parse_args()
     args.directory.mkdir(parents=True, exist_ok=True)
-    eot = write_tokenizer(args.directory, args.vocab, args.text_bytes)
+    if args.tokenizer_from is None:
+        eot = write_tokenizer(args.directory, args.vocab, args.text_bytes)
+    else:
+        eot, args.vocab = copy_tokenizer(args.tokenizer_from, args.directory)
     write_model(args.directory, args.family, args.vocab, eot, args)
     print(f"{args.family} checkpoint with a {args.vocab}-token BPE: {args.directory}")
 

@@ -52,7 +52,7 @@ def block(command: str) -> Block:
     return found[0]
 
 
-COMMAND_LINE = block("raylane prepare")
+COMMAND_LINE = block("raylane prepare  --config configs/train/digits_ddp.yaml")
 PIPELINES = block("raylane train --config configs/train/lm_pipeline.yaml")
 SHARDED = block("raylane train --config configs/train/lm_tp.yaml")
 CONTEXT = block("raylane train --config configs/train/lm_long.yaml")
@@ -73,6 +73,19 @@ OPENAI_CLIENT = block("for chunk in client.completions.create(")
 ADAPTERS_CLIENT = block('for model in ["pylm", "pylm:raylane-lm-lora/1"')
 JOBS = block("ray job submit")
 YOUR_MODEL = block("python tools/tiny_checkpoint.py")
+YOUR_MODEL_DEPLOY = block("raylane deploy --detach --config configs/finetune/llama_lora.yaml")
+YOUR_MODEL_CHAT = block("for chunk in client.chat.completions.create(")
+YOUR_MODEL_STOP = block("serve shutdown -y")
+DATA_TEXT = block(
+    "raylane prepare --config examples/data/lm.yaml --set 'data.files=[examples/data/notes"
+)
+DATA_JSONL = block(
+    "raylane prepare --config examples/data/lm.yaml --set 'data.files=[examples/data/text.jsonl]'"
+)
+DATA_TABLES = block("raylane prepare --config examples/data/table.yaml")
+DATA_BAD_ROW = block(
+    "raylane prepare --config examples/data/lm.yaml --set 'data.files=[examples/data/bad_row"
+)
 
 
 def test_every_runnable_block_is_run_here():
@@ -373,6 +386,73 @@ class TestOnARunningCluster:
         assert "raylane-llama-lora v1" in generated, generated
         # Up to its 8 tokens, or fewer at the tokenizer's end-of-text (never printed).
         assert re.search(r"finish: (length, 8|stop, [1-8]) tokens", generated), generated
+        # Deployed on the cluster and asked over the OpenAI API, streamed: the reply is the
+        # merged model's greedy decoding without a KV cache of the prompt `transformers`'
+        # apply_chat_template renders from the same messages; usage counts its tokenizer's
+        # tokens, and the same request not streamed answers the same.
+        import ast
+        import time
+
+        from raylane.generation.engine import generate_without_cache
+        from raylane.generation.loader import load_language_model
+        from raylane.generation.sampling import SamplingParams
+
+        # The stop block's `serve shutdown` reaches the cluster through its dashboard, whose
+        # address a driver reads meanwhile.
+        ask = "import ray; print(ray.init(logging_level='ERROR').dashboard_url)"
+        lookup = subprocess.Popen(
+            ["python", "-c", ask], cwd=copy, env=env, text=True, stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deployed = run_block(YOUR_MODEL_DEPLOY, copy, env, timeout_s=300)
+        try:
+            _ok(deployed, YOUR_MODEL_DEPLOY.where)
+            chat = subprocess.run(
+                ["python", "-c", YOUR_MODEL_CHAT.text], cwd=copy, env=env, capture_output=True,
+                text=True, timeout=120,
+            )  # fmt: skip
+            assert chat.returncode == 0, chat.stderr[-3000:]
+            # The block's own request (its messages and arguments), not streamed.
+            nodes = list(ast.walk(ast.parse(YOUR_MODEL_CHAT.text)))
+            [messages] = [ast.literal_eval(n.value) for n in nodes if isinstance(n, ast.Assign)
+                          and getattr(n.targets[0], "id", "") == "messages"]  # fmt: skip
+            [call] = [n for n in nodes if isinstance(n, ast.Call)
+                      and getattr(n.func, "attr", "") == "create"]  # fmt: skip
+            request = {k.arg: ast.literal_eval(k.value) for k in call.keywords
+                       if k.arg not in ("messages", "stream", "stream_options")}  # fmt: skip
+            body = {**request, "messages": messages}
+            whole = json.loads(
+                urllib.request.urlopen(
+                    urllib.request.Request(
+                        f"{ENDPOINT}/v1/chat/completions", json.dumps(body).encode(),
+                        {"content-type": "application/json"},
+                    ),
+                    timeout=60,
+                ).read()
+            )  # fmt: skip
+        finally:
+            address = (lookup.communicate(timeout=120)[0].split() or ["(none printed)"])[-1]
+            dashboard = {"RAY_DASHBOARD_ADDRESS": f"http://{address}"}
+            stopped = run_block(YOUR_MODEL_STOP, copy, {**env, **dashboard}, timeout_s=120)
+        _ok(stopped, YOUR_MODEL_STOP.where)
+        store = f"sqlite:///{copy}/mlflow.db"
+        model, card = load_language_model(store, "raylane-llama-lora", 1)  # base + adapter
+        tokenizer = transformers.AutoTokenizer.from_pretrained(given.parent)
+        prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+        params = SamplingParams(max_tokens=request["max_tokens"], temperature=0)
+        reference = generate_without_cache(model, prompt, params, card.codec)
+        text = tokenizer.decode(reference.output, skip_special_tokens=True)
+        counts = f"{len(prompt)} prompt tokens, {len(reference.output)} completion tokens"
+        assert chat.stdout == f"{text}\n{counts}\n" and text.strip(), (chat.stdout, text, counts)
+        [choice] = whole["choices"]
+        assert choice["message"]["content"] == text, (whole, text)
+        assert choice["finish_reason"] == reference.finish_reason, (whole, reference.finish_reason)
+        assert whole["usage"]["prompt_tokens"] == len(prompt), whole
+        assert whole["usage"]["completion_tokens"] == len(reference.output), whole
+        deadline = time.monotonic() + 30  # Serve deletes its applications and proxy after
+        while not _port_closed(8000) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _port_closed(8000), "Serve still answers on port 8000 after serve shutdown"
 
     def test_generation_train_block(self, on_cluster):
         copy, env, _ = on_cluster
@@ -582,3 +662,56 @@ def test_job_submit_block(readme):
     assert "working_dir_files" in new.data.tags["raylane.code_path"], new.data.tags
     # The deploy job served the champion from the same store.
     assert re.search(r"serving raylane-digits v\d+", submits[1].output), submits[1].output[-2000:]
+
+
+def test_your_data_format_blocks(readme):
+    """The data guide's example per format, prepared without Ray: the windows each command
+    prints agree with the manifest, and the manifest with the files' bytes."""
+    copy, env, _ = readme
+
+    def manifest(name: str = "mine") -> dict:
+        return json.loads((copy / "data" / name / "manifest.json").read_text())
+
+    def printed(command) -> list[int]:
+        return [
+            int(n) for n in re.findall(r"^(?:train|validation): (\d+) rows", command.output, re.M)
+        ]
+
+    text = _ok(run_block(DATA_TEXT, copy, env, timeout_s=120), DATA_TEXT.where)
+    documents = manifest()
+    assert {Path(f["path"]).suffix for f in documents["files"]} == {".txt", ".md", ".py"}
+    # Bytes: a token per byte of every file and an end-of-text token per file (a document).
+    tokens = documents["tokens"]
+    assert sum(tokens.values()) == sum(f["bytes"] + 1 for f in documents["files"]), documents
+    # 64-token windows (+1 for the shifted label) back to back: all but the tail packed.
+    assert printed(text.commands[0]) == [(tokens[s] - 1) // 64 for s in ("train", "validation")]
+
+    jsonl = _ok(run_block(DATA_JSONL, copy, env, timeout_s=120), DATA_JSONL.where)
+    rows = [printed(c) for c in jsonl.commands[:3]]  # text, prompt + completion, chat
+    assert rows == [[28, 7], [16, 4], [229, 56]], jsonl.output
+    chat = manifest()
+    assert chat["documents"] == {"train": 192, "validation": 48}, chat  # 240 rows, 1 in 5 held out
+    masked = re.search(r"masked (\{.*?\}) of (\{.*?\})", jsonl.commands[3].output)
+    assert masked and masked[1] == str(chat["masked_tokens"]), jsonl.output
+    # The system and user turns and the template's markers masked, the answers learnt.
+    assert all(0.4 < chat["masked_tokens"][s] / n < 0.7 for s, n in chat["tokens"].items()), chat
+
+    tables = _ok(run_block(DATA_TABLES, copy, env, timeout_s=120), DATA_TABLES.where)
+    prepared = [printed(c) for c in tables.commands if c.text.startswith("raylane")]
+    assert prepared == [[120, 30], [120, 30]], tables.output  # 150 flowers, csv then parquet
+    columns = ["sepal_length", "sepal_width", "petal_length", "petal_width"]
+    assert tables.commands[-1].output.strip() == str(columns), tables.output
+    table = manifest("mine-table")
+    assert table["files"][0]["format"] == "parquet" and table["feature_columns"] == columns
+
+    bad = run_block(DATA_BAD_ROW, copy, env, timeout_s=120)  # its last command stops
+    assert bad.returncode == 2 and len(bad.commands) == 2, bad.output
+    line = (
+        "examples/data/bad_row.jsonl:4: expected 'text', 'prompt'+'completion' or 'messages', "
+        "found keys ['question']"
+    )
+    skipped, stopped = (" ".join(c.output.split()) for c in bad.commands)  # lines wrap
+    assert f"skipped 1 bad row (data.on_bad_rows: skip); the first: {line}" in skipped, skipped
+    assert printed(bad.commands[0]) == [7, 1], skipped  # the 6 good rows
+    assert stopped == f"error: {line}", stopped
+    assert manifest()["skipped_rows"] == 1 and sum(manifest()["documents"].values()) == 6

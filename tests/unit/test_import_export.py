@@ -341,3 +341,35 @@ def test_an_imported_checkpoint_is_a_fine_tuning_base_read_from_its_directory(tm
         resolve_base(cfg, store, expect_digest="0123456789abcdef")
     with pytest.raises(BaseModelError, match=r"target_modules \['q'\] match no linear layer"):
         resolve_base(_lora_config(source, store, "finetune.target_modules=[q]"), store)
+
+
+def test_an_imported_draft_is_checked_against_the_imported_model_before_a_deploy(tmp_path, store):
+    # torch-free serving module, imported here as the deploying process imports it
+    from raylane.serving.app import check_draft_model
+    from raylane.serving.errors import ServedModelError
+
+    _checkpoint(tmp_path / "target")
+    for name, sizes in (
+        ("tiny-draft", {"num_hidden_layers": 1}),
+        ("other-vocab", {"vocab_size": 128}),
+    ):
+        torch.manual_seed(1)
+        config = transformers.LlamaConfig(**{**SIZES, **sizes})
+        transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / name)
+    for name in ("target", "tiny-draft", "other-vocab"):
+        assert _invoke("import", str(tmp_path / name), "--name", name,
+                       "--tracking-uri", store).exit_code == 0  # fmt: skip
+
+    def check(draft: str):
+        cfg = _lora_config(tmp_path / "target", store, "tracking.registered_model=target",
+                           f"serving.generation.draft_model=models:/{draft}/1",
+                           "serving.generation.speculate=3")  # fmt: skip
+        check_draft_model(cfg, store, 1)
+
+    check("tiny-draft")  # one layer of the same vocabulary and context: it can propose
+    with pytest.raises(ServedModelError) as refused:
+        check("other-vocab")
+    assert str(refused.value) == (
+        "serving.generation.draft_model models:/other-vocab/1 (v1) cannot draft for target v1: "
+        "the draft's vocabulary is 128 tokens, the model's 256"
+    )

@@ -67,12 +67,13 @@ def generate(
             tracking_uri, cfg.tracking.registered_model, served
         )
         generation = cfg.serving.generation
-        draft = None
+        draft, draft_card = None, None
         if generation.draft_model is not None:
-            draft, _ = loader.load_draft_model(tracking_uri, generation.draft_model)
+            draft, draft_card = loader.load_draft_model(tracking_uri, generation.draft_model)
         engine = engine_module.GenerationEngine(
-            model, 1, speculate=generation.speculate, draft=draft, codec=card.codec
-        )
+            model, 1, speculate=generation.speculate, draft=draft, codec=card.codec,
+            draft_codec=draft_card.codec if draft_card is not None else None,
+        )  # fmt: skip
         sequence = engine.add(card.codec.encode(prompt), params)
     console.print(f"{card.registered_model} v{card.version}, {card.parameters:,} parameters",
                   highlight=False)  # fmt: skip

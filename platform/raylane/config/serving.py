@@ -64,8 +64,9 @@ class GenerationConfig(StrictModel):
     draft_model: str | None = Field(
         None,
         description="A registered draft that proposes the `speculate` tokens instead of prompt "
-        "lookup: `models:/NAME/VERSION` or `models:/NAME@ALIAS`, a smaller gpt over the same "
-        "bytes with at least the served model's context, in the same MLflow store.",
+        "lookup: `models:/NAME/VERSION` or `models:/NAME@ALIAS` in the same MLflow store: a "
+        "smaller model of the same tokens (a gpt over the same bytes, or an imported or "
+        "trained Llama with the same tokenizer) and at least the served model's context.",
     )
 
     max_adapters: int = Field(

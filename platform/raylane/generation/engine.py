@@ -61,7 +61,9 @@ class GenerationEngine:
 
     With `speculate=k`, each decode step is speculative (`raylane.generation.speculative`):
     proposals from a `draft` model when one is given (on the model's device), else from prompt
-    lookup. Greedy output is the plain output; sampled output keeps its distribution.
+    lookup. Greedy output is the plain output; sampled output keeps its distribution. A
+    `draft_codec` (the draft's own, as its registered version was loaded) is checked to give
+    the same text the same ids as `codec` (`raylane.generation.speculative.codec_mismatch`).
 
     With `max_adapters > 0`, `adapters` holds that many LoRA adapters of the model
     (`raylane.models.multi_lora`) and each sequence decodes through its own (`add(adapter=)`),
@@ -84,6 +86,7 @@ class GenerationEngine:
         *,
         codec: TextCodec = BYTES,
         max_model_len: int = MAX_MODEL_LEN,
+        draft_codec: TextCodec | None = None,
     ):
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, not {max_num_seqs}")
@@ -99,7 +102,8 @@ class GenerationEngine:
         self.speculate = speculate
         self.proposer = None
         if draft is not None:
-            check_draft(model, draft, speculate)
+            codecs = None if draft_codec is None else (codec, draft_codec)
+            check_draft(model, draft, speculate, self.context, codecs)
             self.proposer = DraftProposer(draft, max_num_seqs, self.context)
         self.speculator = Speculator(self.runner, speculate, self.proposer) if speculate else None
         self.free = list(range(max_num_seqs - 1, -1, -1))

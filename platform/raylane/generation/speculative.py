@@ -2,7 +2,8 @@
 one forward, and the longest accepted run plus one token of the model's own is kept (`verify`):
 greedy output is the plain output, sampled output keeps its distribution.
 
-Proposals come from a draft model (`DraftProposer`: a smaller GPT over the same bytes, with its
+Proposals come from a draft model (`DraftProposer`: a smaller model of the same family and token
+ids, a GPT over the same bytes or a Llama-family checkpoint with its target's tokenizer, with its
 own cache slots; k batched draft forwards per step, each token drawn from the draft's
 distribution under the request's sampling) or from prompt lookup (`propose_ngram`: the k tokens
 that followed the last occurrence of the sequence's latest n-gram in its own prompt and
@@ -18,6 +19,7 @@ from raylane.generation.model_runner import Launch, ModelRunner
 from raylane.generation.model_shape import context_length, new_cache, vocabulary
 from raylane.generation.next_token import probabilities, sample, verify
 from raylane.generation.sequence import Sequence
+from raylane.generation.text_codec import TextCodec
 from raylane.models.kv_cache import cache_attention_kernels, ints_on, placement
 
 
@@ -47,14 +49,39 @@ def draft_mismatch(vocab: int, context: int, draft_vocab: int, draft_context: in
     return None
 
 
-def check_draft(model: torch.nn.Module, draft: torch.nn.Module, speculate: int) -> None:
+def codec_mismatch(codec: TextCodec, draft_codec: TextCodec) -> str | None:
+    """Why a draft whose text is `draft_codec`'s ids cannot propose for a model whose text is
+    `codec`'s, or None (both bytes, or the same tokenizer vocabulary: a text's ids are the same
+    in both, so the model can check the draft's ids as its own)."""
+    ours, theirs = codec.token_table(), draft_codec.token_table()
+    if ours == theirs:
+        return None
+    if ours is None or theirs is None:
+        draft_reads, model_reads = ("bytes", "a tokenizer's ids")[:: 1 if theirs is None else -1]
+        return f"the draft reads {draft_reads}, the model {model_reads}: their token ids differ"
+    token = min(set(ours.items()) ^ set(theirs.items()))[0]
+    return (
+        f"the draft's tokenizer is not the model's (token {token!r}: id {ours.get(token)} in "
+        f"the model's, {theirs.get(token)} in the draft's)"
+    )
+
+
+def check_draft(
+    model: torch.nn.Module,
+    draft: torch.nn.Module,
+    speculate: int,
+    context: int | None = None,
+    codecs: tuple[TextCodec, TextCodec] | None = None,
+) -> None:
     """Raise ValueError unless `draft` can propose tokens for `model` (speculation on, the
-    same vocabulary, a context at least as long, the same device)."""
+    same vocabulary, a context at least as long as `context`, the positions the engine lets a
+    sequence use (default the model's), the same device), and, given `codecs` (the model's,
+    the draft's), the same token ids for the same text (`codec_mismatch`)."""
     if speculate < 1:
         raise ValueError("a draft model needs speculate >= 1 (the tokens it proposes per step)")
-    problem = draft_mismatch(
-        vocabulary(model), context_length(model), vocabulary(draft), context_length(draft)
-    )
+    needed = context_length(model) if context is None else context
+    problem = draft_mismatch(vocabulary(model), needed, vocabulary(draft), context_length(draft))
+    problem = problem or (codec_mismatch(*codecs) if codecs is not None else None)
     if problem:
         raise ValueError(problem)
     if placement(draft)[0] != placement(model)[0]:

@@ -58,6 +58,11 @@ class TextCodec(Protocol):
 
     def id_range_error(self) -> str: ...
 
+    def token_table(self) -> dict[str, int] | None:
+        """Each token's text and id (None: the ids are bytes): two codecs with the same table
+        give the same text the same ids (a draft model's must be its target's)."""
+        ...
+
 
 class ByteDetokenizer:
     """Bytes are final as they come: the text is the output's bytes (decoded by the reader)."""
@@ -90,6 +95,9 @@ class BytesCodec:
 
     def id_range_error(self) -> str:
         return "prompt tokens are bytes: 0-255"
+
+    def token_table(self) -> None:
+        return None
 
 
 BYTES = BytesCodec()

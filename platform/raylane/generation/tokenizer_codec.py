@@ -47,6 +47,10 @@ class TokenizerCodec:
     def id_range_error(self) -> str:
         return f"prompt token ids lie in 0-{self.vocab_size - 1}"
 
+    def token_table(self) -> dict[str, int]:
+        """The tokenizer's vocabulary, its added (special) tokens included."""
+        return self.tokenizer.hf.get_vocab(with_added_tokens=True)
+
     def render_chat(self, messages: list[dict]) -> str:
         """The conversation as the chat template renders it before the reply, as
         `transformers`' `apply_chat_template(..., add_generation_prompt=True)` does.

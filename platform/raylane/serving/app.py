@@ -18,7 +18,7 @@ from raylane.serving.deployments import InferenceServer
 from raylane.serving.errors import ServedModelError
 from raylane.serving.guard import key_digest, load_api_key
 from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
-from raylane.tracking.lineage import ADAPTER_TAG, recorded_model_config
+from raylane.tracking.lineage import ADAPTER_TAG, recorded_shape
 from raylane.tracking.registry import resolve_version
 
 log = logging.getLogger("raylane")
@@ -136,12 +136,9 @@ def check_draft_model(cfg: RaylaneConfig, tracking_uri: str, version: int) -> No
     ref = parse_model_uri(uri)
     client = MlflowClient(tracking_uri=tracking_uri)
     found = resolve_version(client, tracking_uri, ref.name, ref.alias, ref.version)
-    draft = recorded_model_config(client, found.run_id)
-    served_run = client.get_model_version(cfg.tracking.registered_model, str(version)).run_id
-    served = recorded_model_config(client, served_run)
-    problem = draft_mismatch(
-        served.num_classes, served.input_dim, draft.num_classes, draft.input_dim
-    )
+    draft_vocab, draft_context = recorded_shape(client, found)
+    served = client.get_model_version(cfg.tracking.registered_model, str(version))
+    problem = draft_mismatch(*recorded_shape(client, served), draft_vocab, draft_context)
     if problem:
         raise ServedModelError(
             f"serving.generation.draft_model {uri} (v{found.version}) cannot draft for "

@@ -117,9 +117,9 @@ class GenerationServer:
         own = served.own_adapter is not None
         slots = (max_adapters if served.base else 0) + own
         decode = "cuda_graph" if cuda_graphs else "dynamic"
-        engine = GenerationEngine(
-            model, max_num_seqs, speculate, draft, slots, decode, codec=self.codec
-        )
+        draft_codec = self.draft_card.codec if self.draft_card is not None else None
+        engine = GenerationEngine(model, max_num_seqs, speculate, draft, slots, decode,
+                                  codec=self.codec, draft_codec=draft_codec)  # fmt: skip
         self.loop = GenerationLoop(engine, metrics)
         self.adapters = AdapterDirectory(model_name, served, self.loop, tracking_uri,
                                          retry_after_s, max_adapters)  # fmt: skip

@@ -32,6 +32,7 @@ from raylane.tracking.lineage import (
     ADAPTER_TAG,
     BASE_MODEL_TAG,
     BASE_VERSION_TAG,
+    CHECKPOINT_DIR,
     HF_KIND,
     KIND_TAG,
     SHA_TAG,
@@ -45,7 +46,6 @@ if TYPE_CHECKING:
     from raylane.config.schema import ModelConfig
 
 IMPORT_EXPERIMENT = "imports"
-CHECKPOINT_DIR = "checkpoint"
 FILES_ARTIFACT = "checkpoint_files.json"
 RUN_TOKENIZER = "data/tokenizer.json"
 

@@ -44,6 +44,7 @@ BASE_MODEL_TAG, BASE_VERSION_TAG, ADAPTER_TAG = (
 #: Registry tags of an imported Hugging Face checkpoint (`raylane import`).
 KIND_TAG, SOURCE_TAG, SHA_TAG = "raylane.kind", "raylane.source_path", "raylane.weights_sha256"
 HF_KIND = "hf-checkpoint"
+CHECKPOINT_DIR = "checkpoint"  # an imported checkpoint's files, among its run's artifacts
 
 
 class BaseModelError(ValueError):
@@ -73,6 +74,19 @@ class BaseModel:
 def recorded_model_config(client, run_id: str) -> ModelConfig:
     """The `model:` section of the config run `run_id` recorded (its architecture)."""
     return load_config(Path(client.download_artifacts(run_id, CONFIG_ARTIFACT))).model
+
+
+def recorded_shape(client, version) -> tuple[int, int]:
+    """`(vocabulary, context)` of registered `version`: an imported checkpoint's
+    `config.json` (`vocab_size`, `max_position_embeddings`), else its run's recorded model
+    config (`num_classes`, `input_dim`)."""
+    if (version.tags or {}).get(KIND_TAG) != HF_KIND:
+        model = recorded_model_config(client, version.run_id)
+        return model.num_classes, model.input_dim
+    with tempfile.TemporaryDirectory(prefix="raylane-shape-") as scratch:
+        path = client.download_artifacts(version.run_id, f"{CHECKPOINT_DIR}/config.json", scratch)
+        config = json.loads(Path(path).read_text())
+    return int(config["vocab_size"]), int(config["max_position_embeddings"])
 
 
 def pinned_base(cfg: RaylaneConfig, run_tags: dict[str, str]) -> RaylaneConfig:
