@@ -16,16 +16,20 @@ Every run's step-time split is checked: `split_sum_error` is the worst |sum of t
 parts - step| / step over all epochs of all runs. Prints a table, writes the convergence plot
 (accuracy against training time per mode) to `--plot`, and ends with one JSON line.
 
-    python benchmarks/consistency.py [--epochs 8] [--target 0.94] [--delay 0.1]
+    python benchmarks/consistency.py [--epochs 8] [--target 0.94] [--delay 0.1] [--smoke]
+
+`--smoke` runs two setups (ddp with fp32 gradients, async with the straggler), 2 epochs of 2
+steps each: the ratios that need the others are null.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
+
+from harness import add_smoke_flag, print_last_line, ray_session
 
 from raylane.config import load_config
 from raylane.data import ensure_dataset
@@ -40,6 +44,8 @@ MODES = {
     "ssp": ["parallelism.strategy=ssp", "parallelism.staleness=2"],
     "local_sgd": ["parallelism.strategy=local_sgd", "parallelism.local_sgd_period=4"],
 }
+SMOKE_SCHEMES = ["none"]
+SMOKE_MODES = [("async", True)]  # (mode, with the straggler)
 
 
 def bench_config(workdir: Path, args, overrides: list[str]):
@@ -52,6 +58,7 @@ def bench_config(workdir: Path, args, overrides: list[str]):
             f"training.epochs={args.epochs}",
             f"training.checkpoints_to_keep={args.epochs}",
             f"model.hidden_sizes={args.hidden}",
+            *([f"training.steps_per_epoch={args.steps}"] if args.steps else []),
             "parallelism.workers=2",
             "parallelism.torch_threads=1",
             *overrides,
@@ -116,34 +123,35 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--every", type=int, default=4, help="straggler: steps between sleeps")
     parser.add_argument("--delay", type=float, default=0.1, help="straggler: seconds per sleep")
     parser.add_argument("--plot", type=Path, default=Path("consistency.png"))
-    return parser.parse_args()
+    add_smoke_flag(parser)
+    args = parser.parse_args()
+    args.steps = None  # every batch of the split per epoch
+    if args.smoke:
+        args.epochs, args.steps, args.hidden, args.every, args.delay = 2, 2, "[16]", 1, 0.01
+    return args
 
 
 def run_all(args) -> dict[str, list[dict]]:
     """Every compression scheme under DDP, then every consistency mode without and with the
     straggler, on one local Ray: each run's per-epoch metrics by label."""
-    import ray
-
     runs: dict[str, list[dict]] = {}
+    every_mode = [(mode, slow) for mode in MODES for slow in (False, True)]
+    schemes, modes = (SMOKE_SCHEMES, SMOKE_MODES) if args.smoke else (SCHEMES, every_mode)
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         ensure_dataset(bench_config(workdir, args, []))
-        ray.init(num_cpus=2, logging_level="ERROR", log_to_driver=False)
         stamp = time.strftime("%H%M%S")
-        try:
-            for scheme in SCHEMES:
+        with ray_session(num_cpus=2):
+            for scheme in schemes:
                 cfg = bench_config(workdir, args, [f"parallelism.grad_compression={scheme}"])
                 print(f"ddp, {scheme} ...", flush=True)
                 runs[f"ddp/{scheme}"] = train(cfg, f"bench-{scheme}-{stamp}")
-            for mode, overrides in MODES.items():
-                for slow in (False, True):
-                    label = f"{mode}{' + straggler' if slow else ''}"
-                    print(f"{label} ...", flush=True)
-                    extra = straggler(args) if slow else []
-                    cfg = bench_config(workdir, args, [*overrides, *extra])
-                    runs[label] = train(cfg, f"bench-{mode}-{int(slow)}-{stamp}")
-        finally:
-            ray.shutdown()
+            for mode, slow in modes:
+                label = f"{mode}{' + straggler' if slow else ''}"
+                print(f"{label} ...", flush=True)
+                extra = straggler(args) if slow else []
+                cfg = bench_config(workdir, args, [*MODES[mode], *extra])
+                runs[label] = train(cfg, f"bench-{mode}-{int(slow)}-{stamp}")
     return runs
 
 
@@ -153,7 +161,7 @@ def compression_table(runs: dict[str, list[dict]], epochs: int) -> tuple[dict, l
     print(f"\n(a) compression, {epochs} epochs, 2 workers")
     print(f"{'scheme':<10} {'bytes/step':>12} {'vs fp32':>8} {'val acc':>8} {'step ms':>8}")
     ratios, drops = {}, []
-    for scheme in SCHEMES:
+    for scheme in (s for s in SCHEMES if f"ddp/{s}" in runs):
         last = runs[f"ddp/{scheme}"][-1]
         ratios[scheme] = last["comm_bytes_ratio"] if scheme != "none" else 1.0
         drops.append(fp32[-1]["val_accuracy"] - last["val_accuracy"])
@@ -171,7 +179,7 @@ def consistency_table(runs: dict[str, list[dict]], target: float) -> dict[str, f
     print(header + f" {'compute':>8} {'comm':>6} {'straggler':>9} {'staleness':>9}")
     reached = {}
     for mode in MODES:
-        for label in (mode, f"{mode} + straggler"):
+        for label in (x for x in (mode, f"{mode} + straggler") if x in runs):
             history = runs[label]
             reached[label] = time_to(history, target)
             shown = "-" if reached[label] is None else f"{reached[label]:.2f}"
@@ -194,25 +202,28 @@ def main() -> None:
     print(f"convergence plot: {args.plot}")
 
     def versus(mode: str) -> float | None:
-        ours, sync = reached[f"{mode} + straggler"], reached["sync + straggler"]
+        ours, sync = reached.get(f"{mode} + straggler"), reached.get("sync + straggler")
         return None if ours is None or sync is None else round(ours / sync, 3)
 
     split_error = max(e["step_split_error"] for history in runs.values() for e in history)
-    print(
-        json.dumps(
-            {
-                "fp16_bytes_ratio": round(ratios["fp16"], 4),
-                "powersgd_bytes_ratio": round(ratios["powersgd"], 4),
-                "topk_bytes_ratio": round(ratios["topk"], 4),
-                "max_acc_drop": round(max(drops), 4),
-                "ssp_vs_sync_time_to_acc": versus("ssp"),
-                "async_vs_sync_time_to_acc": versus("async"),
-                "local_sgd_vs_sync_time_to_acc": versus("local_sgd"),
-                "split_sum_error": round(split_error, 4),
-                "target_accuracy": args.target,
-                "epochs": args.epochs,
-            }
-        )
+
+    def ratio(scheme: str) -> float | None:
+        return round(ratios[scheme], 4) if scheme in ratios else None  # None: not run
+
+    print_last_line(
+        {
+            "fp16_bytes_ratio": ratio("fp16"),
+            "powersgd_bytes_ratio": ratio("powersgd"),
+            "topk_bytes_ratio": ratio("topk"),
+            "max_acc_drop": round(max(drops), 4),
+            "ssp_vs_sync_time_to_acc": versus("ssp"),
+            "async_vs_sync_time_to_acc": versus("async"),
+            "local_sgd_vs_sync_time_to_acc": versus("local_sgd"),
+            "split_sum_error": round(split_error, 4),
+            "target_accuracy": args.target,
+            "epochs": args.epochs,
+        },
+        args.smoke,
     )
 
 

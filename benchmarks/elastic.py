@@ -30,7 +30,9 @@ ends elsewhere; its per-epoch losses are compared too). The last line is one JSO
 `--strategy fsdp` runs the same three with FSDP2 (each resize loads the sharded checkpoint
 re-sharded over the new group).
 
-Takes about 6 minutes. It stops every Ray on this machine first and last (`ray stop`).
+Takes about 6 minutes. It stops every Ray on this machine first and last (`ray stop`). The
+cluster's clients authenticate with a token of this run's own (RAY_AUTH_TOKEN_PATH), whether or
+not ~/.ray/auth_token exists. `--smoke` trains 2 epochs and loses the node at step 10.
 """
 
 from __future__ import annotations
@@ -39,27 +41,24 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
+
+from harness import add_smoke_flag, free_port, print_last_line
 
 from raylane.train.checkpointing import load_model_state
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 MONITOR_S = 2.0
-DRAIN_AT_STEP = 30
+DRAIN_AT_STEP = {"full": 30, "smoke": 10}
+EPOCHS = {"full": 4, "smoke": 2}
 DEADLINE_S = 3
 ENV = {"RAY_TRAIN_PREEMPTION_POLL_INTERVAL_S": "0.5", "RAY_DEDUP_LOGS": "0"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LocalCluster:
@@ -68,7 +67,7 @@ class LocalCluster:
     def __init__(self, root: Path):
         self.root = root
         self.env = {**os.environ, **ENV}
-        self.address = f"127.0.0.1:{_free_port()}"
+        self.address = f"127.0.0.1:{free_port()}"
         self.nodes: dict[str, subprocess.Popen] = {}
         self.started = 0
         subprocess.run(
@@ -82,7 +81,7 @@ class LocalCluster:
         self.started += 1
         name = f"node{self.started}"
         ports = [
-            f"--{option}={_free_port()}"
+            f"--{option}={free_port()}"
             for option in ("node-manager-port", "object-manager-port", "metrics-export-port",
                            "dashboard-agent-listen-port", "dashboard-agent-grpc-port",
                            "runtime-env-agent-port")
@@ -180,7 +179,7 @@ def _wait_for(storage: Path, train: subprocess.Popen, ready, timeout_s: float = 
     raise TimeoutError("the run did not reach the event")
 
 
-def _train(cluster: LocalCluster, work: Path, name: str, workers: str, every: int, strategy):
+def _train(cluster, work: Path, name: str, workers: str, every: int, strategy, smoke: bool):
     storage = work / name
     overrides = {
         "parallelism.strategy": strategy,
@@ -189,7 +188,7 @@ def _train(cluster: LocalCluster, work: Path, name: str, workers: str, every: in
         "parallelism.elastic_resize_monitor_s": MONITOR_S,
         "parallelism.straggler": "{rank: 0, delay_s: 0.05}",
         "training.batch_size": 16,
-        "training.epochs": 4,
+        "training.epochs": EPOCHS["smoke" if smoke else "full"],
         "training.checkpoint_every_steps": every,
         "training.max_failures": 3,  # a node lost without notice is a worker failure
         "training.storage_path": storage,
@@ -204,15 +203,16 @@ def _train(cluster: LocalCluster, work: Path, name: str, workers: str, every: in
     return process, storage
 
 
-def _run(cluster, work, name, every, disruption: str | None, strategy: str) -> dict:
+def _run(cluster, work, name, args, disruption: str | None) -> dict:
     """One run; with a disruption ('notice' or 'abrupt'), lose a node at step 30 and add a
     new one once one worker trains on. The run's events and the wall times of what was done."""
-    train, storage = _train(cluster, work, name, "{min: 1, max: 2}" if disruption else
-                            "{min: 2, max: 2}", every, strategy)  # fmt: skip
+    workers = "{min: 1, max: 2}" if disruption else "{min: 2, max: 2}"
+    train, storage = _train(cluster, work, name, workers, args.every, args.strategy, args.smoke)
+    drain_at = DRAIN_AT_STEP["smoke" if args.smoke else "full"]
     marks: dict[str, float] = {}
     victim = sorted(cluster.nodes)[0]
     if disruption:
-        at = _wait_for(storage, train, lambda s: s["global_step"] >= DRAIN_AT_STEP)
+        at = _wait_for(storage, train, lambda s: s["global_step"] >= drain_at)
         marks["step_at_loss"] = at["global_step"]
         victim_id = cluster.node_id(victim)  # before a drain: Ray may end the node at its deadline
         if disruption == "notice":
@@ -274,14 +274,20 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=5, help="training.checkpoint_every_steps")
     parser.add_argument("--strategy", choices=("ddp", "fsdp"), default="ddp")
     parser.add_argument("--figures-from", type=Path, help="a finished run's work dir: figures only")
+    add_smoke_flag(parser)
     args = parser.parse_args()
     if args.figures_from is not None:
         runs = json.loads((args.figures_from / "runs.json").read_text())
         uri = f"sqlite:///{args.figures_from / 'mlflow.db'}"
-        print(json.dumps(_figures(runs, args.every, uri, runs.get("strategy", "ddp"))))
+        figures = _figures(runs, args.every, uri, runs.get("strategy", "ddp"))
+        print_last_line(figures, runs.get("smoke", False))
         return
     subprocess.run([BIN / "ray", "stop", "--force"], capture_output=True)
     work = Path(tempfile.mkdtemp(prefix="raylane-elastic-"))
+    token = work / "auth_token"  # Ray reads these when it is imported: below
+    token.write_text(uuid.uuid4().hex)
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(token))
+    os.environ.pop("RAY_ADDRESS", None)  # this benchmark's own cluster, never another
     cluster = LocalCluster(work / "nodes")
     import ray
 
@@ -290,14 +296,16 @@ def main() -> None:
         cluster.add_node()
         ray.init(address=cluster.address, logging_level="ERROR")
         cluster.wait_alive(3)
-        runs = {name: _run(cluster, work, name, args.every, disruption, args.strategy)
+        runs = {name: _run(cluster, work, name, args, disruption)
                 for name, disruption in (("fixed", None), ("notice", "notice"),
                                          ("abrupt", "abrupt"))}  # fmt: skip
     finally:
         ray.shutdown()
         subprocess.run([BIN / "ray", "stop", "--force"], capture_output=True)
-    (work / "runs.json").write_text(json.dumps({**runs, "strategy": args.strategy}))
-    print(json.dumps(_figures(runs, args.every, f"sqlite:///{work / 'mlflow.db'}", args.strategy)))
+    saved = {**runs, "strategy": args.strategy, "smoke": args.smoke}
+    (work / "runs.json").write_text(json.dumps(saved))
+    figures = _figures(runs, args.every, f"sqlite:///{work / 'mlflow.db'}", args.strategy)
+    print_last_line(figures, args.smoke)
 
 
 def _figures(runs: dict, every: int, tracking_uri: str, strategy: str = "ddp") -> dict:

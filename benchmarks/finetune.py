@@ -18,13 +18,15 @@ full), `loss_ratio` (LoRA / full validation loss after the steps), `adapter_byte
 `bf16_loss_ratio` (LoRA bf16 / LoRA fp32), `bf16_speed_ratio` (samples/s, bf16 / fp32),
 `bf16_fast` (the CPU's bf16 matrix instructions, from /proc/cpuinfo), and the figures of each.
 
-    python benchmarks/finetune.py [--base-steps 300] [--steps 100] [--context 64]
+    python benchmarks/finetune.py [--base-steps 300] [--steps 100] [--context 64] [--smoke]
+
+`--smoke` trains a d_model 32, 2-block base for 2 steps on 64 KB, fine-tunes each run for 6
+steps at one learning rate, and serves 4 requests once.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -32,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from harness import add_smoke_flag, print_last_line
 
 from raylane.config import load_config
 from raylane.data.text import stdlib_source_files, token_windows
@@ -52,6 +55,9 @@ WARMUP = 5  # steps left out of the median (allocator and oneDNN warm-up)
 #: (Hu et al. 2021 tune them separately too). The bf16 run takes fp32 LoRA's best.
 LEARNING_RATES = {"full": (3e-4, 1e-3, 3e-3), "lora": (3e-3, 1e-2)}
 REQUESTS, REPEATS = 32, 3  # multi-adapter serving: requests per measurement, measurements
+#: --smoke: the smallest model and data that run every part (6 steps: one past the warm-up).
+SMOKE = {"base_steps": 2, "steps": WARMUP + 1, "context": 32, "batch": 4}
+SMOKE_CONFIG = ["model.d_model=32", "model.n_layers=2", "data.max_bytes=65536"]
 RUNS = {  # name: (finetune.method, training.precision)
     "full": ("full", "fp32"),
     "lora": ("lora", "fp32"),
@@ -185,7 +191,10 @@ def multi_adapter_vs_merged(base_state, ft_cfg, adapters: dict, data, args) -> d
         return merge_adapters(load_adapter(apply_lora(base(), ft_cfg.finetune), state)).eval()
 
     names = list(adapters)
-    prompts = [data["validation"][i, :16].tolist() for i in range(REQUESTS)]
+    requests, repeats = (4, 1) if args.smoke else (REQUESTS, REPEATS)
+    prompts = [
+        data["validation"][i % len(data["validation"]), :16].tolist() for i in range(requests)
+    ]
     params = SamplingParams(max_tokens=min(32, args.context - 16), temperature=0)
     scale = ft_cfg.finetune.alpha / ft_cfg.finetune.rank
 
@@ -201,18 +210,18 @@ def multi_adapter_vs_merged(base_state, ft_cfg, adapters: dict, data, args) -> d
         multi.adapters.add(name, adapters[name], scale)
     one = GenerationEngine(merged(adapters[names[0]]), 8)
     times = {"multi": [], "merged": []}
-    for _ in range(REPEATS):
-        keys = [names[i % len(names)] for i in range(REQUESTS)]
+    for _ in range(repeats):
+        keys = [names[i % len(names)] for i in range(requests)]
         seconds, outputs = serve(multi, [multi.adapters.acquire(k) for k in keys])
         times["multi"].append(seconds)
-        seconds, merged_outputs = serve(one, [0] * REQUESTS)
+        seconds, merged_outputs = serve(one, [0] * requests)
         times["merged"].append(seconds)
     own = [o for o, k in zip(outputs, keys, strict=True) if k == names[0]]
     exact = own == [o for o, k in zip(merged_outputs, keys, strict=True) if k == names[0]]
-    multi_rps = REQUESTS / statistics.median(times["multi"])
-    merged_rps = REQUESTS / statistics.median(times["merged"])
+    multi_rps = requests / statistics.median(times["multi"])
+    merged_rps = requests / statistics.median(times["merged"])
     print(
-        f"serving {REQUESTS} requests, 8 slots: {len(names)} adapters on one base "
+        f"serving {requests} requests, 8 slots: {len(names)} adapters on one base "
         f"{multi_rps:.1f} req/s, one merged model {merged_rps:.1f} req/s; adapted text equal "
         f"to the merged model's: {exact}",
         flush=True,
@@ -231,9 +240,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100, help="Fine-tuning steps per run.")
     parser.add_argument("--context", type=int, default=64, help="Bytes per window.")
     parser.add_argument("--batch", type=int, default=16, help="Windows per step.")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
     torch.set_num_threads(1)
     model = [f"model.input_dim={args.context}", f"training.batch_size={args.batch}"]
+    model += SMOKE_CONFIG if args.smoke else []
     ft_cfg = load_config(ROOT / "configs" / "finetune" / "lm_lora.yaml", model)
     base_cfg = load_config(ROOT / "configs" / "train" / "lm_serve.yaml", model)
     fast, line = bf16_speed(use_gpu=False)
@@ -246,6 +259,7 @@ def main() -> None:
         # The bf16 run at the fp32 LoRA run's best learning rate.
         bf16 = name == "lora_bf16"
         rates = (results["lora"]["lr"],) if bf16 else LEARNING_RATES[RUNS[name][0]]
+        rates = rates[:1] if args.smoke else rates
         tried = [finetune(name, base_state, ft_cfg, data, args, lr) for lr in rates]
         results[name], artifacts[name] = min(tried, key=lambda t: t[0]["val_loss_after"])
         losses = ", ".join(f"lr {t[0]['lr']:g}: {t[0]['val_loss_after']:.4f}" for t in tried)
@@ -265,7 +279,7 @@ def main() -> None:
         ),
         "runs": {n: {k: round(v, 4) for k, v in r.items()} for n, r in results.items()},
     }
-    print(json.dumps(figures))
+    print_last_line(figures, args.smoke)
 
 
 def _print_table(results: dict, args) -> None:

@@ -29,8 +29,10 @@
 
 Weights: the config's registered model (its champion, or `--set serving.model_version=N`)
 when the MLflow store has one, else the config's architecture freshly initialised (timing
-does not depend on the weights; the script says which it used); the same for the draft
-(whose acceptance does depend on its weights: train it first). Medians over `--repeat`.
+does not depend on the weights; the script says which it used); the same for the draft.
+Figures that depend on the weights (bits per byte, acceptance and the speed-ups it brings) are
+null when their model was not trained: train both first. Medians over `--repeat`. `--smoke`:
+each section once, fresh weights of a small GPT (no registry lookup), data in a temp dir.
 
     python benchmarks/generate_load.py [--config configs/train/lm_serve.yaml] [--repeat 3]
 """
@@ -38,14 +40,15 @@ does not depend on the weights; the script says which it used); the same for the
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+from harness import add_smoke_flag, print_last_line
 
 from raylane.config import load_config
 from raylane.data import ensure_dataset
@@ -61,9 +64,21 @@ from raylane.tracking import resolve_tracking_uri
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = b"import os\nimport sys\n\n\ndef main(argv):\n    "
+#: Figures that mean something only for trained weights: of the model, of the draft.
+MODEL_FIGURES = ("fp32_bpb", "int8_bpb_delta", "lookup_speedup", "lookup_acceptance")
+DRAFT_FIGURES = (
+    "spec_speedup", "spec_acceptance", "varied_spec_speedup", "varied_spec_acceptance"
+)  # fmt: skip
+#: --smoke: a small model and its data in a temporary directory (prompts of 64 bytes fit).
+SMOKE_CONFIG = ["model.d_model=32", "model.n_layers=2", "model.input_dim=128"]
+FRESH = "fresh weights"
 
 
-def load_weights(cfg):
+def load_weights(cfg, registry: bool = True):
+    """The registered model, else fresh weights; its source (`FRESH...` when untrained)."""
+    if not registry:
+        torch.manual_seed(0)
+        return build_model(cfg.model).eval(), f"{FRESH} (--smoke: no registry lookup)"
     try:
         uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
         version = resolve_served_version(cfg, uri)
@@ -71,7 +86,18 @@ def load_weights(cfg):
         return model, f"{card.registered_model} v{card.version}"
     except Exception as exc:  # noqa: BLE001 - no registered model: time fresh weights
         torch.manual_seed(0)
-        return build_model(cfg.model).eval(), f"fresh weights ({type(exc).__name__})"
+        return build_model(cfg.model).eval(), f"{FRESH} ({type(exc).__name__})"
+
+
+def untrained_left_out(result: dict) -> dict:
+    """`result` with the figures that untrained weights would make meaningless set to null."""
+    left_out = [
+        *(MODEL_FIGURES if result["weights"].startswith(FRESH) else ()),
+        *(DRAFT_FIGURES if result["spec_draft"].startswith(FRESH) else ()),
+    ]
+    if left_out:
+        print(f"untrained weights: {', '.join(left_out)} left out (null)", flush=True)
+    return {**result, **dict.fromkeys(left_out)}
 
 
 def single_stream(model, new_tokens: int) -> dict:
@@ -235,7 +261,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--draft-config", default=str(ROOT / "configs" / "train" / "lm_draft.yaml"))
     parser.add_argument("--eval-windows", type=int, default=256)
     parser.add_argument("--varied-prompts", type=int, default=4)
-    return parser.parse_args()
+    add_smoke_flag(parser)
+    args = parser.parse_args()
+    if args.smoke:
+        args.repeat, args.new_tokens, args.requests, args.slots = 1, 8, 4, 2
+        args.eval_windows, args.varied_prompts = 4, 1
+    return args
 
 
 def stream_runs(model, draft, prompts, new_tokens: int, varied_tokens: int, args) -> dict:
@@ -316,14 +347,36 @@ def summary(runs: dict, source: str, draft_source: str, new_tokens: int, args) -
     }
 
 
+def load_models(args, workdir: Path):
+    """The config, the model and the draft, each with where its weights came from."""
+    smoke = [
+        *SMOKE_CONFIG,
+        "data.max_bytes=65536",
+        f"data.train_path={workdir}/train.parquet",
+        f"data.validation_path={workdir}/validation.parquet",
+    ]
+    extra = smoke if args.smoke else []
+    cfg = load_config(args.config, [*args.overrides, *extra])
+    model, source = load_weights(cfg, registry=not args.smoke)
+    draft_cfg = load_config(args.draft_config, extra)
+    draft, draft_source = load_weights(draft_cfg, registry=not args.smoke)
+    return cfg, (model, source), (draft, draft_source)
+
+
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(1)
-    cfg = load_config(args.config, args.overrides)
-    model, source = load_weights(cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg, (model, source), (draft, draft_source) = load_models(args, Path(tmp))
+        result = measure(args, cfg, model, source, draft, draft_source)
+    print_last_line(untrained_left_out(result), args.smoke)
+    sys.exit(0 if result["greedy_identical"] else 1)
+
+
+def measure(args, cfg, model, source: str, draft, draft_source: str) -> dict:
+    """Every section, printed as it ends; the last line's figures."""
     context = cfg.model.input_dim
     new_tokens = min(args.new_tokens, context - len(PROMPT))
-    draft, draft_source = load_weights(load_config(args.draft_config))
     print(f"weights: {source}; context {context}, {new_tokens} new tokens", flush=True)
     print(f"draft: {draft_source}", flush=True)
 
@@ -340,9 +393,7 @@ def main() -> None:
     print("greedy sample:\n" + sample_text, flush=True)
     trace = arrivals(args.requests, args.rate, seed=0, longest=context - len(PROMPT))
     runs |= {"int8": int8, **batching_runs(model, trace, args)}
-    result = summary(runs, source, draft_source, new_tokens, args)
-    print(json.dumps(result))
-    sys.exit(0 if result["greedy_identical"] else 1)
+    return summary(runs, source, draft_source, new_tokens, args)
 
 
 if __name__ == "__main__":

@@ -24,14 +24,17 @@ training section), so the draft has something to agree with and bits per byte me
 The last line printed is one JSON object. `--small` runs the same code at toy sizes (the suite
 runs it that way on CPU so it cannot rot).
 
-    python benchmarks/gpu.py [--device cuda] [--repeats 3] [--small] [--no-compile]
+    python benchmarks/gpu.py [--device cuda] [--repeats 3] [--small] [--no-compile] [--smoke]
+
+`--smoke` is `--small --repeats 1 --no-compile`, on the CPU where there is no CUDA device (it
+says so in a line and in the last line's `cuda`): the CPU-capable part, every section at toy
+sizes.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import sys
 import sysconfig
@@ -43,6 +46,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "platform"), str(ROOT / "benchmarks")]
+
+from harness import add_smoke_flag, print_last_line  # noqa: E402
 
 from raylane.models.adapters import apply_lora  # noqa: E402
 from raylane.models.gpt import GPT  # noqa: E402
@@ -294,7 +299,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--small", action="store_true", help="toy sizes (a CPU smoke run)")
     parser.add_argument("--no-compile", action="store_true", help="skip training.compile")
+    add_smoke_flag(parser)
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.small, args.repeats, args.no_compile = True, 1, True
+        if not torch.cuda.is_available():
+            print("no CUDA device: the CPU-capable part at toy sizes (figures mean nothing)")
+            args.device = "cpu"
     device = torch.device(args.device)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
@@ -306,6 +317,7 @@ def main(argv: list[str] | None = None) -> dict:
     shape = size["train"]
     draw = batch_sampler(text, shape["batch"], shape["context"], device)
     result: dict = {"device": name, "torch": torch.__version__, "small": args.small}
+    result["cuda"] = device.type == "cuda"
     result["train"], model = training_section(args, size, device, peak, draw)
     if device.type == "cuda":
         result["cost_model"] = cost_model_section(
@@ -313,7 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
     result["lora"] = lora_section(args, size, device, text)
     result["generation"] = generation_section(args, size, device, model, text)
-    print(json.dumps(result, default=_rounded))
+    print_last_line(result, args.smoke, default=_rounded)
     return result
 
 

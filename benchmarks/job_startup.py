@@ -19,16 +19,18 @@ printed is one JSON object with `fixed_overhead_s` (b - a), `fixed_overhead_warm
 loop's training seconds: what raylane itself adds to a Ray Train job; target <= 8 s) and each
 phase.
 
-    python benchmarks/job_startup.py [--repeat 3]
+    python benchmarks/job_startup.py [--repeat 3] [--smoke]
+
+With RAY_ADDRESS set, (c) and (d) run on that cluster (its clients' environment, token
+included, as this process has it) instead of one this benchmark starts and stops. `--smoke`
+runs each once, (d) with raylane's health-check interval only.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,6 +38,8 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+
+from harness import add_smoke_flag, free_port, print_last_line
 
 from raylane.train.trainer import HEALTH_CHECK_ENV, HEALTH_CHECK_S
 
@@ -83,12 +87,6 @@ TorchTrainer(
     run_config=RunConfig(storage_path=sys.argv[2], name=sys.argv[3]),
 ).fit()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def timed(command: list[str], env: dict[str, str]) -> tuple[float, str]:
@@ -172,29 +170,26 @@ def start_cluster(work: Path, env: dict[str, str]) -> tuple[int, dict[str, str]]
     return port, cluster_env
 
 
-def warm_runs(args, work, overrides, port: int, cluster_env, figures, phases) -> None:
+def warm_runs(args, work, overrides, address: str, cluster_env, figures, phases) -> None:
     """(c) and (d) on the running cluster, `--repeat` times each."""
     raylane = [str(BIN / "raylane"), "train", "--config", str(CONFIG), *with_sets(overrides)]
-    warm_env = {**cluster_env, "RAY_ADDRESS": f"127.0.0.1:{port}"}
+    warm_env = {**cluster_env, "RAY_ADDRESS": address}
+    floors = (("ray_floor", HEALTH_CHECK_S), ("ray_floor_default", "2"))
     for index in range(args.repeat):
         elapsed, output = timed(raylane, warm_env)
         figures["warm"].append(elapsed)
         phases["warm"].append(run_phases(store(work), output))
-        floor_command = [sys.executable, "-c", FLOOR, f"127.0.0.1:{port}", str(work / "floor")]
-        for name, interval in (("ray_floor", HEALTH_CHECK_S), ("ray_floor_default", "2")):
+        floor_command = [sys.executable, "-c", FLOOR, address, str(work / "floor")]
+        for name, interval in floors[:1] if args.smoke else floors:
             floor_env = {**warm_env, HEALTH_CHECK_ENV: interval}
             elapsed, _ = timed([*floor_command, f"{name}-{index}"], floor_env)
             figures[name].append(elapsed)
-        print(
-            f"warm {figures['warm'][-1]:.1f} s, ray floor {figures['ray_floor'][-1]:.1f} s"
-            f" (health checks every 2 s: {figures['ray_floor_default'][-1]:.1f} s)",
-            flush=True,
-        )
+        print(f"warm {figures['warm'][-1]:.1f} s, ray floor {figures['ray_floor'][-1]:.1f} s")
 
 
 def report(figures: dict[str, list[float]], phases, repeat: int) -> dict:
     """Prints the phase medians; the last line's figures."""
-    wall = {name: round(statistics.median(values), 2) for name, values in figures.items()}
+    wall = {n: round(statistics.median(v), 2) if v else None for n, v in figures.items()}
     fresh, warm = medians(phases["fresh"]), medians(phases["warm"])
     for name, table in (("fresh local Ray", fresh), ("running cluster", warm)):
         print(f"phases, {name} (median s): " + " · ".join(f"{k} {v}" for k, v in table.items()))
@@ -221,7 +216,9 @@ def report(figures: dict[str, list[float]], phases, repeat: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=3)
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    args.repeat = 1 if args.smoke else args.repeat
 
     work = Path(tempfile.mkdtemp(prefix="raylane-job-startup-"))
     overrides, env = prepare(work)
@@ -231,13 +228,20 @@ def main() -> None:
     }  # fmt: skip
     phases: dict[str, list[dict[str, float]]] = {"fresh": [], "warm": []}
     cold_runs(args, work, overrides, env, figures, phases)
-    port, cluster_env = start_cluster(work, env)
+    joined = os.environ.get("RAY_ADDRESS")
+    if joined:  # a running cluster: reached with this process's own Ray environment
+        cluster_env = {**env, **{k: v for k, v in os.environ.items() if k.startswith("RAY_")}}
+    else:
+        port, cluster_env = start_cluster(work, env)
     try:
-        warm_runs(args, work, overrides, port, cluster_env, figures, phases)
+        warm_runs(args, work, overrides, joined or f"127.0.0.1:{port}", cluster_env, figures,
+                  phases)  # fmt: skip
     finally:
-        subprocess.run([str(BIN / "ray"), "stop", "--force"], env=cluster_env, capture_output=True)
+        if not joined:
+            subprocess.run([str(BIN / "ray"), "stop", "--force"], env=cluster_env,
+                           capture_output=True)  # fmt: skip
         shutil.rmtree(work, ignore_errors=True)
-    print(json.dumps(report(figures, phases, args.repeat)))
+    print_last_line(report(figures, phases, args.repeat), args.smoke)
 
 
 if __name__ == "__main__":

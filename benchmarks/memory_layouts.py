@@ -11,16 +11,20 @@ Prints a table and ends with one JSON line: `fsdp_state_ratio` (fsdp's per-worke
 gradient + optimizer bytes over ddp's, 2 workers), `tp_state_ratio` (the same for tp=2),
 `fsdp_vs_ddp_throughput` (2 workers), and the 4-worker ratios.
 
-    python benchmarks/memory_layouts.py [--d-model 128] [--steps 8]
+    python benchmarks/memory_layouts.py [--d-model 128] [--steps 8] [--smoke]
+
+`--smoke` runs ddp and fsdp on 2 workers only (the other ratios are null), one epoch of one
+step of a d_model 16 GPT.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
+
+from harness import add_smoke_flag, print_last_line, ray_session
 
 from raylane.config import load_config
 from raylane.config.layout import replicas
@@ -47,6 +51,7 @@ LAYOUTS = {
         "hybrid": ["parallelism.strategy=hybrid", "parallelism.pp=2", "parallelism.dp=2"],
     },
 }
+SMOKE_LAYOUTS = {2: {name: LAYOUTS[2][name] for name in ("ddp", "fsdp")}}
 
 
 def bench_config(workdir: Path, args, workers: int, overrides: list[str]):
@@ -55,7 +60,7 @@ def bench_config(workdir: Path, args, workers: int, overrides: list[str]):
         f"data.train_path={workdir}/data/train.parquet",
         f"data.validation_path={workdir}/data/validation.parquet",
         f"training.storage_path={workdir}/runs",
-        "training.epochs=2",
+        f"training.epochs={args.epochs}",
         f"training.steps_per_epoch={args.steps}",
         f"model.d_model={args.d_model}",
         "model.n_layers=4",
@@ -87,23 +92,19 @@ def state_mb(metrics: dict) -> float:
 
 def run_all(args) -> dict[tuple[int, str], dict]:
     """Every layout at 2 and 4 workers on one local Ray: the last epoch's metrics of each."""
-    import ray
-
+    layouts = SMOKE_LAYOUTS if args.smoke else LAYOUTS
     results: dict[tuple[int, str], dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         ensure_dataset(bench_config(workdir, args, 2, []))
-        ray.init(num_cpus=2, logging_level="ERROR", log_to_driver=False)
         stamp = time.strftime("%H%M%S")
-        try:
-            for workers, layouts in LAYOUTS.items():
-                for name, overrides in layouts.items():
+        with ray_session(num_cpus=2):
+            for workers, group in layouts.items():
+                for name, overrides in group.items():
                     print(f"{workers} workers, {name} ...", flush=True)
                     cfg = bench_config(workdir, args, workers, overrides)
                     slug = name.replace(" ", "")
                     results[workers, name] = train(cfg, f"mem-{workers}-{slug}-{stamp}")
-        finally:
-            ray.shutdown()
     return results
 
 
@@ -112,7 +113,11 @@ def main() -> None:
     parser.add_argument("--d-model", type=int, default=128)
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps per epoch")
     parser.add_argument("--batch", type=int, default=32, help="global batch (rows per step)")
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    args.epochs = 2  # the last epoch's figures: the first pays one-time start-up
+    if args.smoke:
+        args.epochs, args.steps, args.batch, args.d_model = 1, 1, 4, 16
     results = run_all(args)
     print(f"\nper-worker memory (largest worker, MB), d_model {args.d_model}, 4 blocks")
     print(
@@ -129,26 +134,27 @@ def main() -> None:
             f"{m['train_samples_per_s'] / ddp['train_samples_per_s']:>7.3f}"
         )
 
-    def ratio(workers: int, name: str, key=state_mb) -> float:
+    def ratio(workers: int, name: str, key=state_mb) -> float | None:
+        if (workers, name) not in results:
+            return None  # not run (--smoke)
         return round(key(results[workers, name]) / key(results[workers, "ddp"]), 4)
 
     def throughput(m: dict) -> float:
         return m["train_samples_per_s"]
 
-    print(
-        json.dumps(
-            {
-                "fsdp_state_ratio": ratio(2, "fsdp"),
-                "tp_state_ratio": ratio(2, "tp"),
-                "pipeline_state_ratio": ratio(2, "pipeline"),
-                "fsdp_vs_ddp_throughput": ratio(2, "fsdp", throughput),
-                "tp_vs_ddp_throughput": ratio(2, "tp", throughput),
-                "fsdp4_state_ratio": ratio(4, "fsdp"),
-                "fsdp_tp4_state_ratio": ratio(4, "fsdp x tp"),
-                "d_model": args.d_model,
-                "global_batch": args.batch,
-            }
-        )
+    print_last_line(
+        {
+            "fsdp_state_ratio": ratio(2, "fsdp"),
+            "tp_state_ratio": ratio(2, "tp"),
+            "pipeline_state_ratio": ratio(2, "pipeline"),
+            "fsdp_vs_ddp_throughput": ratio(2, "fsdp", throughput),
+            "tp_vs_ddp_throughput": ratio(2, "tp", throughput),
+            "fsdp4_state_ratio": ratio(4, "fsdp"),
+            "fsdp_tp4_state_ratio": ratio(4, "fsdp x tp"),
+            "d_model": args.d_model,
+            "global_batch": args.batch,
+        },
+        args.smoke,
     )
 
 

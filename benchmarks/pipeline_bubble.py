@@ -10,15 +10,18 @@ torch's 1F1B needs m >= p, so it starts at m = 2.
 The model is the raylane GPT, fed random tokens (the bubble does not depend on the data).
 The last line printed is one JSON object, with `ratio_m8_gpipe` = measured / bound at m = 8.
 
-    python benchmarks/pipeline_bubble.py [--steps 8] [--batch 64] [--d-model 256]
+    python benchmarks/pipeline_bubble.py [--steps 8] [--batch 64] [--d-model 256] [--smoke]
+
+`--smoke` runs m in {1, 8} for one step after one warm-up on a 2-block d_model 32 GPT.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
+
+from harness import add_smoke_flag, print_last_line, ray_session
 
 from raylane.config import load_config
 from raylane.models import build_model
@@ -39,7 +42,7 @@ def _worker(loop_config: dict) -> list[dict]:
     torch.set_num_threads(1)
     results = []
     for schedule in SCHEDULES:
-        for m in MICROBATCHES:
+        for m in loop_config["microbatches"]:
             cfg = load_config(loop_config["config_path"], [
                 *loop_config["overrides"], f"parallelism.schedule={schedule}",
                 f"parallelism.microbatches={max(m, 2)}",
@@ -76,12 +79,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--d-model", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--context", type=int, default=64)
-    return parser.parse_args()
+    add_smoke_flag(parser)
+    args = parser.parse_args()
+    if args.smoke:
+        args.steps, args.warmup, args.batch, args.d_model, args.layers, args.context = (
+            1, 1, 16, 32, 2, 16
+        )  # fmt: skip
+    return args
 
 
 def run_all(args) -> list[dict]:
     """Every (schedule, m) on 2 Ray Train workers of a local Ray: the first worker's stats."""
-    import ray
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -93,24 +101,20 @@ def run_all(args) -> list[dict]:
         "parallelism.pp=2",
         "parallelism.workers=2",
     ]
-    ray.init(num_cpus=2, logging_level="ERROR", log_to_driver=False)
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            trainer = TorchTrainer(
-                _worker,
-                train_loop_config={
-                    "config_path": str(ROOT / "configs" / "train" / "lm_pipeline.yaml"),
-                    "overrides": overrides,
-                    "steps": args.steps,
-                    "warmup": args.warmup,
-                },
-                scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
-                run_config=RunConfig(storage_path=tmp, name="pipeline-bubble"),
-            )
-            results = trainer.fit().return_value
-    finally:
-        ray.shutdown()
-    return results
+    with ray_session(num_cpus=2), tempfile.TemporaryDirectory() as tmp:
+        trainer = TorchTrainer(
+            _worker,
+            train_loop_config={
+                "config_path": str(ROOT / "configs" / "train" / "lm_pipeline.yaml"),
+                "overrides": overrides,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "microbatches": (1, 8) if args.smoke else MICROBATCHES,
+            },
+            scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 1}),
+            run_config=RunConfig(storage_path=tmp, name="pipeline-bubble"),
+        )
+        return trainer.fit().return_value
 
 
 def main() -> None:
@@ -137,7 +141,7 @@ def main() -> None:
         }
     figures["ratio_m8_gpipe"] = figures["gpipe"]["m8"]["ratio"]
     figures["ratio_m8_1f1b"] = figures["1f1b"]["m8"]["ratio"]
-    print(json.dumps(figures))
+    print_last_line(figures, args.smoke)
 
 
 if __name__ == "__main__":

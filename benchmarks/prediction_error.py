@@ -15,6 +15,8 @@ median |predicted - measured| / measured step time per strategy and overall.
 
 `--save` keeps what was measured (the profile and every trial's step time and split), so that
 `--figures-from` can score the current cost model against it without measuring again.
+`--smoke` measures ddp and fsdp on 2 workers only (no repeat of the calibrating layout), 2
+epochs of 1 step of a small model.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import tempfile
 from collections import defaultdict
 from pathlib import Path
 
+from harness import add_smoke_flag, print_last_line, ray_session
+
 from raylane.data import ensure_dataset
 from raylane.plan.measured import predict_config
 from raylane.profile.job import load_or_measure
@@ -37,11 +41,15 @@ from raylane.tune.spec import TuneSpec
 
 ROOT = Path(__file__).resolve().parents[1]
 STRATEGIES = ("ddp", "fsdp", "tp", "pipeline", "hybrid", "local_sgd", "ssp")
+SMOKE_STRATEGIES = ("ddp", "fsdp")
+#: A model small enough for a smoke run to profile and train in seconds.
+SMOKE_MODEL = ["model.d_model=32", "model.n_layers=2", "model.input_dim=16", "data.max_bytes=16384"]
 
 
 def make_spec(
-    workdir: Path, epochs: int, steps: int, strategies=STRATEGIES, name: str = "out"
+    workdir: Path, epochs: int, steps: int, strategies=STRATEGIES, name: str = "out", smoke=False
 ) -> TuneSpec:
+    wide = len(strategies) > 1 and not smoke
     return TuneSpec.model_validate(
         {
             "experiment": "bench-prediction",
@@ -51,10 +59,11 @@ def make_spec(
                 f"data.train_path={workdir}/data/train.parquet",
                 f"data.validation_path={workdir}/data/validation.parquet",
                 "parallelism.schedule=1f1b",
+                *(SMOKE_MODEL if smoke else []),
             ],
             "search": {
                 "strategy": list(strategies),
-                "workers": [2, 4] if len(strategies) > 1 else [2],
+                "workers": [2, 4] if wide else [2],
                 "pp": [2],
                 "tp": [2],
                 "microbatches": [4],
@@ -74,27 +83,24 @@ def make_spec(
 PARTS = ("compute", "comm", "bubble", "ring", "data_wait")
 
 
-def measure(epochs: int, steps: int) -> dict:
+def measure(epochs: int, steps: int, smoke: bool = False) -> dict:
     """Profile the cluster and run every layout as a trial; what was measured, as JSON."""
-    import ray
-
-    with tempfile.TemporaryDirectory() as tmp:
+    strategies = SMOKE_STRATEGIES if smoke else STRATEGIES
+    with tempfile.TemporaryDirectory() as tmp, ray_session(num_cpus=2):
         workdir = Path(tmp)
-        spec = make_spec(workdir, epochs, steps)
-        ray.init(num_cpus=2, logging_level="ERROR", log_to_driver=False)
-        try:
-            candidates, _ = enumerate_candidates(spec)
-            configs = [trial_config(spec, c) for c in candidates]
-            widest = max(configs, key=lambda c: c.parallelism.workers)
-            workers = sorted({c.parallelism.workers for c in configs})
-            ensure_dataset(widest)
-            profile, _, _ = load_or_measure(widest, spec.tracking_uri, concurrency=workers)
-            grid = run_search(spec)
-            # The calibrating layout once more, last: how far one layout's two measurements
-            # are apart is the floor under any prediction's error.
+        spec = make_spec(workdir, epochs, steps, strategies, smoke=smoke)
+        candidates, _ = enumerate_candidates(spec)
+        configs = [trial_config(spec, c) for c in candidates]
+        widest = max(configs, key=lambda c: c.parallelism.workers)
+        workers = sorted({c.parallelism.workers for c in configs})
+        ensure_dataset(widest)
+        profile, _, _ = load_or_measure(widest, spec.tracking_uri, concurrency=workers)
+        grid = run_search(spec)
+        # The calibrating layout once more, last: how far one layout's two measurements
+        # are apart is the floor under any prediction's error.
+        again = None
+        if not smoke:
             again = run_search(make_spec(workdir, epochs, steps, ("ddp",), "again"))
-        finally:
-            ray.shutdown()
     trials = []
     for trial in grid.trials:
         split = {p: trial.metrics.get(f"step_{p}_ms", 0.0) for p in PARTS}
@@ -103,16 +109,17 @@ def measure(epochs: int, steps: int) -> dict:
              "status": trial.status, "detail": trial.detail, "step_ms": trial.step_ms,
              "data_wait_ms": trial.data_wait_ms, "split_ms": split}
         )  # fmt: skip
-    repeat = next((t.step_ms for t in again.trials if t.step_ms), None)
+    repeat = next((t.step_ms for t in again.trials if t.step_ms), None) if again else None
     return {
         "epochs": epochs, "steps": steps, "profile": profile, "trials": trials,
-        "calibration_repeat_ms": repeat,
+        "calibration_repeat_ms": repeat, "smoke": smoke,
     }  # fmt: skip
 
 
 def score(run: dict) -> dict:
     """Predict every measured layout from the run's profile with the current cost model."""
-    spec = make_spec(Path(tempfile.gettempdir()), run["epochs"], run["steps"])
+    smoke = run.get("smoke", False)
+    spec = make_spec(Path(tempfile.gettempdir()), run["epochs"], run["steps"], smoke=smoke)
     profile = run["profile"]
     measured = [t for t in run["trials"] if t["step_ms"]]
     raw = {
@@ -187,15 +194,18 @@ def main() -> None:
     parser.add_argument(
         "--figures-from", type=Path, help="Score a run saved with --save instead of measuring."
     )
+    add_smoke_flag(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.epochs, args.steps = 2, 1
     logging.basicConfig(level=logging.WARNING)
     if args.figures_from:
         run = json.loads(args.figures_from.read_text())
     else:
-        run = measure(args.epochs, args.steps)
+        run = measure(args.epochs, args.steps, args.smoke)
         if args.save:
             args.save.write_text(json.dumps(run))
-    print(json.dumps(score(run)))
+    print_last_line(score(run), args.smoke or run.get("smoke", False))
 
 
 if __name__ == "__main__":

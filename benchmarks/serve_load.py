@@ -23,7 +23,9 @@ CPU share; the last line is one JSON object with the ratios ((a) against the oth
 `one_replica_*` for (a1)).
 
     python benchmarks/serve_load.py [--clients 32] [--seconds 15] [--batch-size 32]
-        [--set serving.ingress=proxy]
+        [--set serving.ingress=proxy] [--smoke]
+
+`--smoke`: every setup, an MLP 64 -> 32 -> 10 trained one epoch, 2 clients for 0.3 s.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +46,7 @@ import mlflow
 import numpy as np
 import ray
 import torch
+from harness import add_smoke_flag, free_port, print_last_line, wait_for_port
 from ray import serve
 from sklearn.datasets import load_digits
 
@@ -53,6 +55,7 @@ from raylane.inference import Predictor
 from raylane.models import build_model
 from raylane.runtime import connect_ray
 from raylane.serving.app import APP_NAME, deploy, shutdown_serve
+from raylane.serving.ingress import apply_ingress_env
 from raylane.serving.loadgen import LoadResult, run_load
 from raylane.serving.status import state_name
 from raylane.tracking.runs import log_trained_model
@@ -76,7 +79,7 @@ def bench_config(workdir: Path, args, port: int, one_replica: bool = False):
             "experiment=serve-load",
             f"tracking.tracking_uri=sqlite:///{workdir}/mlflow.db",
             f"tracking.registered_model={MODEL}",
-            f"model.hidden_sizes={HIDDEN}",
+            f"model.hidden_sizes={'[32]' if args.smoke else HIDDEN}",
             f"serving.model_name={MODEL}",
             f"serving.port={port}",
             *args.overrides,
@@ -85,21 +88,15 @@ def bench_config(workdir: Path, args, port: int, one_replica: bool = False):
     )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def register_model(cfg) -> float:
-    """Train the wide MLP for two epochs on digits, log and register it; return accuracy."""
+def register_model(cfg, epochs: int = 2) -> float:
+    """Train the wide MLP for `epochs` on digits, log and register it; return accuracy."""
     torch.manual_seed(0)
     digits = load_digits()
     x = torch.tensor(digits.data, dtype=torch.float32)
     y = torch.tensor(digits.target)
     model = build_model(cfg.model)
     optimiser = torch.optim.Adam(model.parameters(), lr=1e-3)
-    for _ in range(2):
+    for _ in range(epochs):
         for start in range(0, len(x), 64):
             loss = torch.nn.functional.cross_entropy(
                 model(x[start : start + 64]), y[start : start + 64]
@@ -144,7 +141,8 @@ def binary_infer_body(rows: np.ndarray) -> tuple[bytes, dict[str, str]]:
 def measure(url: str, body, args, clients: int | None = None, headers: dict | None = None):
     path = f"/v2/models/{MODEL}/infer"
     load = {"clients": clients or args.clients, "headers": headers}
-    warm = run_load(url, path, body, duration_s=2.0, max_requests=5_000, **load)
+    warm_s, warm_requests = min(2.0, args.seconds), min(5_000, args.max_requests)
+    warm = run_load(url, path, body, duration_s=warm_s, max_requests=warm_requests, **load)
     if warm.statuses[200] == 0:
         raise RuntimeError(f"{url} answered no request during warm-up: {dict(warm.statuses)}")
     result = run_load(
@@ -192,23 +190,11 @@ def plain_fastapi(cfg, args, port: int, module: str = "plain_fastapi"):
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_for_port(port, server)
+        wait_for_port(port, server)
         return measure(url, infer_body(args.row), args)
     finally:
         server.terminate()
         server.wait(timeout=30)
-
-
-def _wait_for_port(port: int, server: subprocess.Popen, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise RuntimeError(f"the plain FastAPI server exited ({server.returncode})")
-        with socket.socket() as sock:
-            if sock.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.3)
-    raise TimeoutError(f"nothing listened on port {port} within {timeout_s:.0f} s")
 
 
 def replica_states() -> dict[str, int]:
@@ -256,7 +242,8 @@ def measure_served(url: str, args):
 def raylane_serve(cfg, pinned_cfg, args) -> tuple:
     """(a) and (a1), in `Measured`'s order: replicas, (a) and its mean batch, (a1) and its
     mean batch, the large requests as JSON and as binary tensors."""
-    connect_ray(serve_ingress=cfg.serving.ingress)
+    # A Ray started here runs the config's ingress; a cluster keeps what it was started with.
+    connect_ray(before_local_start=lambda: apply_ingress_env(cfg.serving.ingress))
     try:
         url, _ = deploy(cfg)
         replicas = settle(url, cfg, args)
@@ -302,7 +289,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--set", dest="overrides", action="append", default=[], help="config override"
     )
-    return parser.parse_args()
+    add_smoke_flag(parser)
+    args = parser.parse_args()
+    if args.smoke:
+        args.clients, args.seconds, args.max_requests = 2, 0.3, 50
+        args.large_rows, args.large_clients = 4, 1
+    return args
 
 
 def measure_all(args):
@@ -316,13 +308,14 @@ def measure_all(args):
         # (d) batches like the replica: same batch size and wait.
         args.batch_size = cfg.serving.max_batch_size
         args.batch_wait = cfg.serving.batch_wait_timeout_s
-        accuracy = register_model(cfg)
-        print(f"model: MLP 64 -> {HIDDEN} -> 10, training accuracy {accuracy:.3f}", flush=True)
+        accuracy = register_model(cfg, epochs=1 if args.smoke else 2)
+        hidden = cfg.model.hidden_sizes
+        print(f"model: MLP 64 -> {hidden} -> 10, training accuracy {accuracy:.3f}", flush=True)
         args.row = np.random.default_rng(1).uniform(0, 16, 64).astype(np.float32)
 
         plain = plain_fastapi(cfg, args, free_port())
         batched = plain_fastapi(cfg, args, free_port(), module="plain_fastapi_batched")
-        bare = bare_forward(cfg, args.batch_size, seconds=5.0)
+        bare = bare_forward(cfg, args.batch_size, seconds=0.2 if args.smoke else 5.0)
         return cfg, Measured(plain, batched, *bare, *raylane_serve(cfg, pinned_cfg, args))
 
 
@@ -391,7 +384,7 @@ def main() -> None:
     args = parse_args()
     cfg, measured = measure_all(args)
     print_table(args, cfg.serving.ingress, measured)
-    print(json.dumps(summary(args, cfg.serving.ingress, measured)))
+    print_last_line(summary(args, cfg.serving.ingress, measured), args.smoke)
 
 
 if __name__ == "__main__":

@@ -17,13 +17,15 @@ Start-up is excluded: each figure is the median of per-epoch samples/s after the
 so an epoch lasts seconds and Ray Data's fixed per-epoch start (tens of milliseconds) is
 amortised as it is on real datasets. The last line printed is one JSON object with the ratios.
 
-    python benchmarks/train_overhead.py [--epochs 5] [--batch-size 128] [--repeat 6]
+    python benchmarks/train_overhead.py [--epochs 5] [--batch-size 128] [--repeat 6] [--smoke]
+
+`--smoke` runs (a), (c) and (d) for 2 epochs on the split once with a 4-channel CNN, (c) at 2
+steps per epoch; (b) is left out and its figures are null.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -31,6 +33,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from harness import add_smoke_flag, print_last_line, ray_session
 
 from raylane.config import load_config
 from raylane.data import ensure_dataset
@@ -41,7 +44,8 @@ from raylane.train.trainer import build_trainer
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def bench_config(workdir: Path, epochs: int, batch_size: int, workers: int, channels: str):
+def bench_config(workdir: Path, args, workers: int, steps: int | None = None):
+    epochs, batch_size, channels = args.epochs, args.batch_size, args.channels
     return load_config(
         ROOT / "configs" / "train" / "digits_ddp.yaml",
         [
@@ -55,6 +59,7 @@ def bench_config(workdir: Path, epochs: int, batch_size: int, workers: int, chan
             f"model.hidden_sizes={channels}",
             f"parallelism.workers={workers}",
             "parallelism.torch_threads=1",
+            *([f"training.steps_per_epoch={steps}"] if steps else []),
         ],
     )
 
@@ -158,8 +163,36 @@ def ray_train(cfg, name: str) -> tuple[list[float], dict[str, float]]:
     return [m["train_samples_per_s"] for m in history], split
 
 
-def steady(rates: list[float]) -> float:
-    return statistics.median(rates[1:])
+def steady(rates: list[float] | None) -> float | None:
+    return statistics.median(rates[1:]) if rates else None
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else round(a / b, 3)
+
+
+def rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 1)
+
+
+def measure(args) -> tuple[int, dict, dict]:
+    """Rows per epoch; each setup's per-epoch samples/s, each Ray run's step-time split."""
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        cfg1 = bench_config(workdir, args, 1)
+        cfg2 = bench_config(workdir, args, 2, steps=2 if args.smoke else None)
+        ensure_dataset(cfg1)
+        rows = repeat_training_rows(cfg1, args.repeat)
+        rates, splits = {}, {}
+        with ray_session(num_cpus=2):
+            stamp = time.strftime("%H%M%S")
+            if not args.smoke:
+                rates["ray1"], splits["ray1"] = ray_train(cfg1, f"bench-ray1-{stamp}")
+            rates["ray2"], splits["ray2"] = ray_train(cfg2, f"bench-ray2-{stamp}")
+        # The bare loop and plain DDP run with Ray stopped, as a user's script would.
+        rates["bare"] = bare_torch(cfg1)
+        rates["ddp2"] = plain_ddp(cfg2)
+    return rows, rates, splits
 
 
 def main() -> None:
@@ -168,35 +201,24 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=128, help="Rows per step per worker.")
     parser.add_argument("--repeat", type=int, default=6, help="Copies of the training split.")
     parser.add_argument("--channels", default="[64, 128, 128]", help="CNN channels per layer.")
+    add_smoke_flag(parser)
     args = parser.parse_args()
-
-    import ray
-
-    with tempfile.TemporaryDirectory() as tmp:
-        workdir = Path(tmp)
-        cfg1 = bench_config(workdir, args.epochs, args.batch_size, 1, args.channels)
-        cfg2 = bench_config(workdir, args.epochs, args.batch_size, 2, args.channels)
-        ensure_dataset(cfg1)
-        rows = repeat_training_rows(cfg1, args.repeat)
-        ray.init(num_cpus=2, logging_level="ERROR", log_to_driver=False)
-        try:
-            stamp = time.strftime("%H%M%S")
-            ray1, split1 = ray_train(cfg1, f"bench-ray1-{stamp}")
-            ray2, split2 = ray_train(cfg2, f"bench-ray2-{stamp}")
-        finally:
-            ray.shutdown()
-        # The bare loop and plain DDP run with Ray stopped, as a user's script would.
-        bare = bare_torch(cfg1)
-        ddp2 = plain_ddp(cfg2)
-
+    if args.smoke:
+        args.epochs, args.repeat, args.channels = 2, 1, "[4, 4, 4]"
+    rows, rates, splits = measure(args)
+    bare, ray1, ray2, ddp2 = (rates.get(k) for k in ("bare", "ray1", "ray2", "ddp2"))
+    split1, split2 = splits.get("ray1", {}), splits["ray2"]
     setups = [("(a) bare torch, 1 process", bare), ("(b) Ray Train, 1 worker", ray1),
             ("(c) Ray Train, 2 workers", ray2), ("(d) plain DDP, 2 processes", ddp2)]  # fmt: skip
     print(f"{'setup':<28} {'steady samples/s':>17}   per-epoch samples/s")
     print(f"training rows per epoch: {rows}")
-    for label, rates in setups:
-        print(f"{label:<28} {steady(rates):>17.0f}   " + " ".join(f"{r:.0f}" for r in rates))
+    for label, found in setups:
+        if found:
+            print(f"{label:<28} {steady(found):>17.0f}   " + " ".join(f"{r:.0f}" for r in found))
     print("\nstep-time split, last epoch, ms per step (mean over workers):")
     for label, split in (("(b) Ray Train, 1 worker", split1), ("(c) Ray Train, 2 workers", split2)):
+        if not split:
+            continue
         parts = ", ".join(
             f"{k[5:-3]} {v:.2f}" for k, v in split.items() if k.endswith("_ms") and k != "step_ms"
         )
@@ -206,18 +228,18 @@ def main() -> None:
         "batch_size_per_worker": args.batch_size,
         "epochs": args.epochs,
         "rows_per_epoch": rows,
-        "torch_samples_per_s": round(steady(bare), 1),
-        "ray1_samples_per_s": round(steady(ray1), 1),
-        "ray2_samples_per_s": round(steady(ray2), 1),
-        "ray1_vs_torch": round(steady(ray1) / steady(bare), 3),
-        "ray2_vs_ray1": round(steady(ray2) / steady(ray1), 3),
-        "ddp2_samples_per_s": round(steady(ddp2), 1),
-        "ddp2_vs_torch": round(steady(ddp2) / steady(bare), 3),
-        "ray2_vs_ddp2": round(steady(ray2) / steady(ddp2), 3),
+        "torch_samples_per_s": rounded(steady(bare)),
+        "ray1_samples_per_s": rounded(steady(ray1)),
+        "ray2_samples_per_s": rounded(steady(ray2)),
+        "ray1_vs_torch": ratio(steady(ray1), steady(bare)),
+        "ray2_vs_ray1": ratio(steady(ray2), steady(ray1)),
+        "ddp2_samples_per_s": rounded(steady(ddp2)),
+        "ddp2_vs_torch": ratio(steady(ddp2), steady(bare)),
+        "ray2_vs_ddp2": ratio(steady(ray2), steady(ddp2)),
         "ray2_comm_ms": round(split2.get("step_comm_ms", 0.0), 3),
         "ray2_data_wait_ms": round(split2.get("step_data_wait_ms", 0.0), 3),
     }
-    print(json.dumps(figures))
+    print_last_line(figures, args.smoke)
 
 
 if __name__ == "__main__":

@@ -13,18 +13,20 @@ grid's measured| / measured step time (median of the measured epochs); the raw f
 same for the profile's own predictions, before the planner's calibration by its measured
 trials. The last line is one JSON object.
 
-    python benchmarks/tune_vs_grid.py [--epochs 6] [--steps 6]
+    python benchmarks/tune_vs_grid.py [--epochs 6] [--steps 6] [--smoke]
+
+`--smoke` searches one layout (ddp on 1 worker) for 2 epochs of 1 step, with a small model.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import tempfile
 from pathlib import Path
 
+from harness import add_smoke_flag, print_last_line, ray_session
 from rich.console import Console
 
 from raylane.tune.report import print_table
@@ -32,9 +34,20 @@ from raylane.tune.search import run_search
 from raylane.tune.spec import TuneSpec
 
 ROOT = Path(__file__).resolve().parents[1]
+SEARCH = {
+    "strategy": ["ddp", "pipeline"],
+    "workers": [1, 2],
+    "microbatches": [4, 8],
+    "batch_size": [16, 32],
+    "grad_compression": ["none"],
+}
+SMOKE_SEARCH = {"strategy": ["ddp"], "workers": [1], "batch_size": [8]}
+#: A model small enough for a smoke run to profile and train in seconds.
+SMOKE_MODEL = ["model.d_model=32", "model.n_layers=2", "model.input_dim=16", "data.max_bytes=16384"]
 
 
-def make_spec(workdir: Path, epochs: int, steps: int, scheduler: str, top_k: int = 3) -> TuneSpec:
+def make_spec(workdir: Path, args, scheduler: str, top_k: int = 3) -> TuneSpec:
+    epochs, steps = args.epochs, args.steps
     return TuneSpec.model_validate(
         {
             "experiment": f"bench-{scheduler}",
@@ -43,14 +56,9 @@ def make_spec(workdir: Path, epochs: int, steps: int, scheduler: str, top_k: int
                 "data.max_bytes=131072",
                 f"data.train_path={workdir}/data/train.parquet",
                 f"data.validation_path={workdir}/data/validation.parquet",
+                *(SMOKE_MODEL if args.smoke else []),
             ],
-            "search": {
-                "strategy": ["ddp", "pipeline"],
-                "workers": [1, 2],
-                "microbatches": [4, 8],
-                "batch_size": [16, 32],
-                "grad_compression": ["none"],
-            },
+            "search": SMOKE_SEARCH if args.smoke else SEARCH,
             "trial": {"epochs": epochs, "steps_per_epoch": steps, "warmup_epochs": 1},
             "scheduler": {"kind": scheduler, "grace_period": 2, "reduction_factor": 3},
             "predict": {"enabled": scheduler != "none", "top_k": top_k},
@@ -66,21 +74,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=6, help="Full trial length (epochs).")
     parser.add_argument("--steps", type=int, default=6, help="Steps per epoch.")
     parser.add_argument("--top-k", type=int, default=3, help="Layouts the planner measures.")
-    return parser.parse_args()
+    add_smoke_flag(parser)
+    args = parser.parse_args()
+    if args.smoke:
+        args.epochs, args.steps, args.top_k = 2, 1, 1
+    return args
 
 
 def run_both(args):
     """The grid, then the planner, one trial at a time on the same local Ray."""
-    import ray
-
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, ray_session(num_cpus=2):
         workdir = Path(tmp)
-        ray.init(num_cpus=2, logging_level="ERROR", log_to_driver=False)
-        try:
-            grid = run_search(make_spec(workdir, args.epochs, args.steps, "none"))
-            planner = run_search(make_spec(workdir, args.epochs, args.steps, "asha", args.top_k))
-        finally:
-            ray.shutdown()
+        grid = run_search(make_spec(workdir, args, "none"))
+        planner = run_search(make_spec(workdir, args, "asha", args.top_k))
     return grid, planner
 
 
@@ -151,7 +157,7 @@ def main() -> None:
         f"{figures['grid_best']}; planner: {figures['planner_wall_s']} s, pick "
         f"{figures['planner_pick']}"
     )
-    print(json.dumps(figures))
+    print_last_line(figures, args.smoke)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import pytest
 
 from raylane.config import load_config
 from raylane.config.loader import with_absolute_paths
-from raylane.train.trainer import _worker_config
+from raylane.train.trainer import _without_ray_data, _worker_config
 from raylane.train.worker_spec import DriverLink, WorkerSpec
 from tests.readme_blocks import ROOT
 
@@ -92,3 +92,18 @@ def test_ray_trains_dict_carries_the_spec_and_nothing_else_passes_for_one():
         WorkerSpec.from_loop_config({"spec": spec.config})
     with pytest.raises(KeyError):
         WorkerSpec.from_loop_config({"config": spec.config})
+
+
+def test_a_run_without_ray_datasets_starts_no_dataset_manager():
+    from ray.train import ScalingConfig
+    from ray.train.torch import TorchTrainer
+    from ray.train.v2._internal.callbacks import DatasetsCallback
+
+    def callbacks(trainer_class) -> list[str]:
+        trainer = trainer_class(lambda: None, scaling_config=ScalingConfig(num_workers=1))
+        return [type(c).__name__ for c in trainer._create_default_callbacks()]
+
+    plain, memory_feed = callbacks(TorchTrainer), callbacks(_without_ray_data(TorchTrainer))
+    # Only the datasets callback (its actor imports Ray Data for nothing) is left out.
+    assert DatasetsCallback.__name__ in plain
+    assert memory_feed == [name for name in plain if name != DatasetsCallback.__name__]

@@ -80,7 +80,8 @@ def build_trainer(
         progress_path=str(_run_dir(cfg, run_name) / PROGRESS_FILE),
     )
     par = cfg.parallelism
-    return TorchTrainer(
+    trainer_class = TorchTrainer if datasets else _without_ray_data(TorchTrainer)
+    return trainer_class(
         train_loop_per_worker,
         train_loop_config=spec.as_loop_config(),
         torch_config=TorchConfig(backend="nccl" if par.use_gpu else "gloo"),
@@ -101,6 +102,22 @@ def build_trainer(
             execution_options=_ordered_ingest_options(),
         ),
     )
+
+
+def _without_ray_data(trainer_class):
+    """`trainer_class` without Ray Train's datasets callback, for a run with no Ray Dataset
+    (the memory feed): the callback starts a dataset-manager actor for every worker group even
+    when there is nothing to shard, a process importing Ray Data, pandas and pyarrow beside the
+    workers' own start (a 1-epoch digits run on 2 cores: 16.3 s with it, 15.6 s without,
+    medians of 3 alternated runs)."""
+    from ray.train.v2._internal.callbacks import DatasetsCallback
+
+    class MemoryFeedTrainer(trainer_class):
+        def _create_default_callbacks(self):
+            callbacks = super()._create_default_callbacks()
+            return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
+
+    return MemoryFeedTrainer
 
 
 def _scaling_config(par):
