@@ -117,6 +117,13 @@ def _get_json(url: str) -> dict:
         return json.loads(answer.read())
 
 
+def _post_json(url: str, body: dict) -> dict:
+    headers = {"content-type": "application/json"}
+    request = urllib.request.Request(url, json.dumps(body).encode(), headers)
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        return json.loads(answer.read())
+
+
 def _port_closed(port: int) -> bool:
     with socket.socket() as sock:
         return sock.connect_ex(("127.0.0.1", port)) != 0
@@ -421,15 +428,7 @@ class TestOnARunningCluster:
             request = {k.arg: ast.literal_eval(k.value) for k in call.keywords
                        if k.arg not in ("messages", "stream", "stream_options")}  # fmt: skip
             body = {**request, "messages": messages}
-            whole = json.loads(
-                urllib.request.urlopen(
-                    urllib.request.Request(
-                        f"{ENDPOINT}/v1/chat/completions", json.dumps(body).encode(),
-                        {"content-type": "application/json"},
-                    ),
-                    timeout=60,
-                ).read()
-            )  # fmt: skip
+            whole = _post_json(f"{ENDPOINT}/v1/chat/completions", body)
         finally:
             address = (lookup.communicate(timeout=120)[0].split() or ["(none printed)"])[-1]
             dashboard = {"RAY_DASHBOARD_ADDRESS": f"http://{address}"}
@@ -580,15 +579,7 @@ def test_generation_deploy_and_openai_client_blocks(readme):
         assert streamed.returncode == 0, streamed.stderr[-3000:]
         # The same greedy request, not streamed, over the OIP generate extension.
         body = {"text_input": "import os\n", "parameters": {"max_tokens": 64, "temperature": 0}}
-        whole = json.loads(
-            urllib.request.urlopen(
-                urllib.request.Request(
-                    f"{ENDPOINT}/v2/models/pylm/generate", json.dumps(body).encode(),
-                    {"content-type": "application/json"},
-                ),
-                timeout=60,
-            ).read()
-        )  # fmt: skip
+        whole = _post_json(f"{ENDPOINT}/v2/models/pylm/generate", body)
         assert streamed.stdout == whole["text_output"] + "\n" and len(whole["text_output"]) > 16
         # The fine-tuning section's adapters (its block ran before) from the same replica.
         adapters = subprocess.run(

@@ -233,22 +233,15 @@ class ServingConfig(StrictModel):
     @field_validator("app_name")
     @classmethod
     def _serve_app_name(cls, value: str) -> str:
-        if not re.fullmatch(APP_NAME_PATTERN, value):
-            raise ValueError(
-                f"{value!r} is not a Serve application name: 1-63 letters, digits, '-' or '_', "
-                "starting with a letter or digit"
-            )
-        return value
+        return _matching(value, APP_NAME_PATTERN, "a Serve application name: 1-63 letters, "
+                         "digits, '-' or '_', starting with a letter or digit")  # fmt: skip
 
     @field_validator("route_prefix")
     @classmethod
     def _serve_route_prefix(cls, value: str) -> str:
-        if not re.fullmatch(ROUTE_PREFIX_PATTERN, value):
-            raise ValueError(
-                f"{value!r} is not a route prefix: '/' or '/name[/name...]' (letters, digits, "
-                "'.', '_', '~', '-'; no trailing '/', '.' or '..'; not Serve's own '/-/')"
-            )
-        return value
+        return _matching(value, ROUTE_PREFIX_PATTERN, "a route prefix: '/' or '/name[/name...]' "
+                         "(letters, digits, '.', '_', '~', '-'; no trailing '/', '.' or '..'; "
+                         "not Serve's own '/-/')")  # fmt: skip
 
     @model_validator(mode="after")
     def _check_batching(self) -> ServingConfig:
@@ -288,3 +281,9 @@ class ServingConfig(StrictModel):
                 "cuda_graphs captures the plain decode step: it needs generation.speculate 0 "
                 f"(not {self.generation.speculate})"
             )
+
+
+def _matching(value: str, pattern: str, what: str) -> str:
+    if not re.fullmatch(pattern, value):
+        raise ValueError(f"{value!r} is not {what}")
+    return value
