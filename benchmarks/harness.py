@@ -54,7 +54,7 @@ def ray_session(**local) -> Iterator[bool]:
     else:
         ray.init(address="local", **quiet, **local)
     try:
-        yield address is None
+        yield not address
     finally:
         ray.shutdown()
 

@@ -54,7 +54,7 @@ from raylane.config import load_config
 from raylane.inference import Predictor
 from raylane.models import build_model
 from raylane.runtime import connect_ray
-from raylane.serving.app import APP_NAME, deploy, shutdown_serve
+from raylane.serving.app import deploy, stop_serve
 from raylane.serving.ingress import apply_ingress_env
 from raylane.serving.loadgen import LoadResult, run_load
 from raylane.serving.status import state_name
@@ -197,8 +197,8 @@ def plain_fastapi(cfg, args, port: int, module: str = "plain_fastapi"):
         server.wait(timeout=30)
 
 
-def replica_states() -> dict[str, int]:
-    deployment = serve.status().applications[APP_NAME].deployments["model"]
+def replica_states(app_name: str) -> dict[str, int]:
+    deployment = serve.status().applications[app_name].deployments["model"]
     return {state_name(state): n for state, n in deployment.replica_states.items()}
 
 
@@ -210,7 +210,7 @@ def settle(url: str, cfg, args) -> int:
     wanted = min(max(math.ceil(args.clients / target), scaling.min_replicas), scaling.max_replicas)
     deadline = time.monotonic() + 180.0
     while True:
-        states = replica_states()
+        states = replica_states(cfg.serving.app_name)
         if states == {"RUNNING": wanted} or time.monotonic() > deadline:
             return states.get("RUNNING", 0)
         print(f"  waiting for autoscaling: {states}, want {wanted} running", flush=True)
@@ -243,7 +243,7 @@ def raylane_serve(cfg, pinned_cfg, args) -> tuple:
     """(a) and (a1), in `Measured`'s order: replicas, (a) and its mean batch, (a1) and its
     mean batch, the large requests as JSON and as binary tensors."""
     # A Ray started here runs the config's ingress; a cluster keeps what it was started with.
-    connect_ray(before_local_start=lambda: apply_ingress_env(cfg.serving.ingress))
+    started = connect_ray(before_local_start=lambda: apply_ingress_env(cfg.serving.ingress))
     try:
         url, _ = deploy(cfg)
         replicas = settle(url, cfg, args)
@@ -253,12 +253,12 @@ def raylane_serve(cfg, pinned_cfg, args) -> tuple:
         binary, headers = binary_infer_body(large)
         large_binary = measure(url, binary, args, clients=args.large_clients, headers=headers)
         deploy(pinned_cfg)  # Serve rolls the app onto one replica of one CPU
-        while replica_states() != {"RUNNING": 1}:
+        while replica_states(cfg.serving.app_name) != {"RUNNING": 1}:
             time.sleep(1.0)
         pinned = measure_served(url, args)
         return replicas, *served, *pinned, large_json, large_binary
     finally:
-        shutdown_serve()
+        stop_serve(local_ray=started, app_name=cfg.serving.app_name)  # other apps keep serving
         ray.shutdown()
 
 

@@ -12,6 +12,7 @@ when it fails.
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import math
 import re
@@ -75,7 +76,8 @@ JOBS = block("ray job submit")
 YOUR_MODEL = block("python tools/tiny_checkpoint.py")
 YOUR_MODEL_DEPLOY = block("raylane deploy --detach --config configs/finetune/llama_lora.yaml")
 YOUR_MODEL_CHAT = block("for chunk in client.chat.completions.create(")
-YOUR_MODEL_STOP = block("serve shutdown -y")
+YOUR_MODEL_STOP = block("raylane undeploy --config configs/finetune/llama_lora.yaml")
+CUSTOM_MODEL = block("raylane train --config configs/train/digits_custom.yaml")
 DATA_TEXT = block(
     "raylane prepare --config examples/data/lm.yaml --set 'data.files=[examples/data/notes"
 )
@@ -404,13 +406,6 @@ class TestOnARunningCluster:
         from raylane.generation.loader import load_language_model
         from raylane.generation.sampling import SamplingParams
 
-        # The stop block's `serve shutdown` reaches the cluster through its dashboard, whose
-        # address a driver reads meanwhile.
-        ask = "import ray; print(ray.init(logging_level='ERROR').dashboard_url)"
-        lookup = subprocess.Popen(
-            ["python", "-c", ask], cwd=copy, env=env, text=True, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-        )  # fmt: skip
         deployed = run_block(YOUR_MODEL_DEPLOY, copy, env, timeout_s=300)
         try:
             _ok(deployed, YOUR_MODEL_DEPLOY.where)
@@ -430,10 +425,9 @@ class TestOnARunningCluster:
             body = {**request, "messages": messages}
             whole = _post_json(f"{ENDPOINT}/v1/chat/completions", body)
         finally:
-            address = (lookup.communicate(timeout=120)[0].split() or ["(none printed)"])[-1]
-            dashboard = {"RAY_DASHBOARD_ADDRESS": f"http://{address}"}
-            stopped = run_block(YOUR_MODEL_STOP, copy, {**env, **dashboard}, timeout_s=120)
+            stopped = run_block(YOUR_MODEL_STOP, copy, env, timeout_s=120)
         _ok(stopped, YOUR_MODEL_STOP.where)
+        assert "removed Serve app 'raylane'" in stopped.output, stopped.output
         store = f"sqlite:///{copy}/mlflow.db"
         model, card = load_language_model(store, "raylane-llama-lora", 1)  # base + adapter
         tokenizer = transformers.AutoTokenizer.from_pretrained(given.parent)
@@ -448,10 +442,29 @@ class TestOnARunningCluster:
         assert choice["finish_reason"] == reference.finish_reason, (whole, reference.finish_reason)
         assert whole["usage"]["prompt_tokens"] == len(prompt), whole
         assert whole["usage"]["completion_tokens"] == len(reference.output), whole
-        deadline = time.monotonic() + 30  # Serve deletes its applications and proxy after
+        deadline = time.monotonic() + 30  # Serve stops its proxy with its last application
         while not _port_closed(8000) and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert _port_closed(8000), "Serve still answers on port 8000 after serve shutdown"
+        assert _port_closed(8000), "Serve still answers on port 8000 after raylane undeploy"
+
+    def test_custom_model_block(self, on_cluster):
+        # The factory is imported from the copy's working directory, on the driver and (Ray puts
+        # that directory on their import path) on every worker, under DDP and under FSDP2.
+        copy, env, _ = on_cluster
+        run = _ok(run_block(CUSTOM_MODEL, copy, env, timeout_s=600), CUSTOM_MODEL.where)
+        client = MlflowClient(tracking_uri=f"sqlite:///{copy}/mlflow.db")
+        source = copy / "examples" / "custom_model" / "my_model.py"
+        digest = hashlib.sha256(source.read_bytes()).hexdigest()
+        for command, strategy in zip(run.commands, ("ddp", "fsdp"), strict=True):
+            found = client.get_run(re.search(r"MLflow run ([0-9a-f]{32})", command.output)[1])
+            assert found.data.params["parallelism.strategy"] == strategy
+            assert found.data.tags["raylane.model_factory"] == (
+                "examples.custom_model.my_model:residual_mlp"
+            )
+            assert found.data.tags["raylane.model_factory_sha256"] == digest
+            assert found.data.metrics["val_accuracy"] > 0.5, found.data.metrics  # chance: 0.1
+        versions = client.search_model_versions("name='raylane-digits-custom'")
+        assert sorted(int(v.version) for v in versions) == [1, 2]
 
     def test_generation_train_block(self, on_cluster):
         copy, env, _ = on_cluster

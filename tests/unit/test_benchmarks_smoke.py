@@ -33,8 +33,10 @@ for name in {ABSENT!r}:
 
 
 def smoke_line(command: list[str], cwd: Path, timeout_s: float) -> dict:
-    """Run `command` with no Ray cluster to join; its last line, which must be smoke JSON."""
+    """Run `command` with no Ray cluster to join and no GPU (the smoke is the CPU path, on a
+    GPU machine too); its last line, which must be smoke JSON."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
     done = subprocess.run(
         command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s
     )
@@ -73,7 +75,7 @@ def generate_load(last: dict) -> None:
 
 
 def gpu(last: dict) -> None:
-    assert last["cuda"] is False and last["small"] is True  # no CUDA here: the CPU part
+    assert last["cuda"] is False and last["small"] is True  # CUDA hidden: the CPU part
     train = last["train"]
     assert train["bf16_eager"]["tokens_per_s"] > 0 and train["fp32"]["tokens_per_s"] > 0
     assert last["lora"]["lora_over_full_step"] > 0

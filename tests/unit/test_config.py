@@ -149,17 +149,17 @@ def test_cli_reports_bad_config_in_one_line_without_traceback(tmp_path):
 
 
 def test_configuration_reference_and_json_schema_are_current():
-    from raylane.config.reference import (
-        JSON_SCHEMA,
-        REFERENCE_PAGE,
-        config_json_schema_text,
-        render_into,
-    )
+    from raylane.config.reference import JSON_SCHEMA, REFERENCE_PAGE, config_json_schema_text
+    from raylane.reference import render_page
 
-    rerun = "run: PYTHONPATH=platform python -m raylane.config.reference"
+    rerun = "run: PYTHONPATH=platform python -m raylane.reference"
     page = (ROOT / REFERENCE_PAGE).read_text()
-    assert "| `experiment` | required |" in page
-    assert render_into(page) == page, rerun
+    # A row of each file's schema: run config, Tune spec, cluster spec, hardware catalog.
+    for row in ("| `experiment` | required |", "| `predict.top_k` | `3` |",
+                "| `devices_per_node` | required | Accelerators per node. |",
+                "| `<accelerator>.memory_gb` | required |"):  # fmt: skip
+        assert row in page, row
+    assert render_page(page) == page, rerun
     assert (ROOT / JSON_SCHEMA).read_text() == config_json_schema_text(), rerun
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from raylane.generation.engine import GenerationEngine, generate_without_cache
+from raylane.config.serving import GenerationConfig
+from raylane.generation.engine import MAX_MODEL_LEN, GenerationEngine, generate_without_cache
 from raylane.generation.sampling import SamplingParams, sample
 from raylane.models.gpt import GPT
 from raylane.models.kv_cache import KVCache
@@ -132,6 +133,18 @@ def test_requests_that_cannot_run_are_refused_with_the_reason(model, prompt, max
     with pytest.raises(ValueError, match=re.escape(message)):
         engine.add(prompt, SamplingParams(max_tokens=max_tokens))
     assert not engine.busy
+
+
+def test_max_model_len_caps_the_context_and_the_cache(model):
+    assert GenerationConfig().max_model_len == MAX_MODEL_LEN  # the config's default is the engine's
+    engine = GenerationEngine(model, max_num_seqs=1, max_model_len=16)
+    assert engine.context == 16 and GenerationEngine(model, 1, max_model_len=4096).context == 48
+    with pytest.raises(ValueError, match=re.escape("prompt (12 tokens) + max_tokens (5) exceeds")):
+        engine.add([1] * 12, SamplingParams(max_tokens=5))
+    sequence = engine.add([1] * 12, SamplingParams(max_tokens=4))  # exactly 16: it runs
+    while engine.busy:
+        engine.step()
+    assert len(sequence.output) == 4
 
 
 @pytest.mark.parametrize(

@@ -219,10 +219,13 @@ def test_replicas_ask_ray_for_gpus_and_serve_in_the_configured_dtype():
     from tests.readme_blocks import ROOT
 
     lm = ROOT / "configs" / "train" / "lm_serve.yaml"
-    cfg = load_config(lm, ["serving.replica_gpus=0.5", "serving.dtype=bf16"])
+    settings = ["serving.replica_gpus=0.5", "serving.dtype=bf16"]
+    cfg = load_config(lm, [*settings, "serving.generation.max_model_len=2048"])
     deployment = build_app(cfg, "sqlite:///unused.db", 3, None)._bound_deployment
     assert deployment.ray_actor_options["num_gpus"] == 0.5
-    assert deployment.init_kwargs == {"replica_gpus": 0.5, "dtype": "bf16", "cuda_graphs": False}
+    assert deployment.init_kwargs == {
+        "replica_gpus": 0.5, "dtype": "bf16", "cuda_graphs": False, "max_model_len": 2048
+    }  # fmt: skip
     digits = ROOT / "configs" / "train" / "digits_ddp.yaml"
     deployment = build_app(load_config(digits, []), "sqlite:///unused.db", 1, None)
     assert deployment._bound_deployment.ray_actor_options["num_gpus"] == 0

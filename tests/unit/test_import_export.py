@@ -348,28 +348,36 @@ def test_an_imported_draft_is_checked_against_the_imported_model_before_a_deploy
     from raylane.serving.app import check_draft_model
     from raylane.serving.errors import ServedModelError
 
-    _checkpoint(tmp_path / "target")
-    for name, sizes in (
-        ("tiny-draft", {"num_hidden_layers": 1}),
-        ("other-vocab", {"vocab_size": 128}),
-    ):
+    _checkpoint(tmp_path / "target")  # 256 tokens, 128 positions
+    drafts = {
+        "tiny-draft": {"num_hidden_layers": 1},
+        "other-vocab": {"vocab_size": 128},
+        "short": {"num_hidden_layers": 1, "max_position_embeddings": 64},
+    }
+    for name, sizes in drafts.items():
         torch.manual_seed(1)
         config = transformers.LlamaConfig(**{**SIZES, **sizes})
         transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / name)
-    for name in ("target", "tiny-draft", "other-vocab"):
+    for name in ("target", *drafts):
         assert _invoke("import", str(tmp_path / name), "--name", name,
                        "--tracking-uri", store).exit_code == 0  # fmt: skip
 
-    def check(draft: str):
+    def check(draft: str, *extra: str):
         cfg = _lora_config(tmp_path / "target", store, "tracking.registered_model=target",
                            f"serving.generation.draft_model=models:/{draft}/1",
-                           "serving.generation.speculate=3")  # fmt: skip
+                           "serving.generation.speculate=3", *extra)  # fmt: skip
         check_draft_model(cfg, store, 1)
 
+    def refusal(draft: str) -> str:
+        with pytest.raises(ServedModelError) as refused:
+            check(draft)
+        prefix = (
+            f"serving.generation.draft_model models:/{draft}/1 (v1) cannot draft for target v1: "
+        )
+        assert str(refused.value).startswith(prefix), refused.value
+        return str(refused.value).removeprefix(prefix)
+
     check("tiny-draft")  # one layer of the same vocabulary and context: it can propose
-    with pytest.raises(ServedModelError) as refused:
-        check("other-vocab")
-    assert str(refused.value) == (
-        "serving.generation.draft_model models:/other-vocab/1 (v1) cannot draft for target v1: "
-        "the draft's vocabulary is 128 tokens, the model's 256"
-    )
+    assert refusal("other-vocab") == "the draft's vocabulary is 128 tokens, the model's 256"
+    assert refusal("short") == "the draft's context (64 tokens) is shorter than the model's (128)"
+    check("short", "serving.generation.max_model_len=64")  # what is served is what it covers

@@ -9,7 +9,7 @@ from rich.console import Console
 
 from raylane.config import ConfigError, load_config
 from raylane.serving import APP_NAME
-from raylane.serving.app import endpoint_url, serve_conflict
+from raylane.serving.app import endpoint_url, serve_conflict, undeploy_step
 from raylane.serving.errors import route_path
 from raylane.serving.status import DeploymentRow, StatusReport, render_status
 
@@ -118,3 +118,18 @@ def test_middlewares_see_the_path_within_the_application():
     assert route_path({"path": "/digits", "root_path": "/digits"}) == "/"
     assert route_path({"path": "/v1/models", "root_path": ""}) == "/v1/models"
     assert route_path({"path": "/v1/models"}) == "/v1/models"
+
+
+@pytest.mark.parametrize(
+    ("apps", "step"),
+    [
+        (None, None),  # no Serve controller: nothing to remove
+        ([], "shutdown"),  # Serve with no application left: it goes
+        (["digits"], "shutdown"),  # the last application: Serve goes with it
+        (["digits", "raylane"], "delete"),  # the others keep serving
+        (["raylane"], None),  # not running here: the other is left alone
+    ],
+)
+def test_undeploy_removes_the_app_and_serve_only_with_its_last_app(apps, step):
+    details = None if apps is None else {"applications": {name: {} for name in apps}}
+    assert undeploy_step("digits", details) == step

@@ -73,6 +73,7 @@ def generate(
         engine = engine_module.GenerationEngine(
             model, 1, speculate=generation.speculate, draft=draft, codec=card.codec,
             draft_codec=draft_card.codec if draft_card is not None else None,
+            max_model_len=generation.max_model_len,
         )  # fmt: skip
         sequence = engine.add(card.codec.encode(prompt), params)
     console.print(f"{card.registered_model} v{card.version}, {card.parameters:,} parameters",

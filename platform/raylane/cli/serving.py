@@ -63,6 +63,8 @@ def deploy(
             clear_before_local_serve(cfg.serving.port)
     served = None
     with on_ray(before_local_start=lambda: apply_ingress_env(cfg.serving.ingress)) as started:
+        # A deploy that fails over an application already running leaves it as it was.
+        existed = not detach and cfg.serving.app_name in serve_app.running_app_names()
         try:
             url, served = serve_app.deploy(cfg)
             console.print(f"serving {cfg.tracking.registered_model} v{served}", highlight=False)
@@ -71,7 +73,7 @@ def deploy(
                 _block_until_interrupted()
         finally:
             began = time.monotonic()
-            if not detach:
+            if not detach and (served is not None or not existed):
                 serve_app.stop_serve(local_ray=started, app_name=cfg.serving.app_name)
     if not detach and served is not None:
         what = f"{cfg.tracking.registered_model} v{served}"

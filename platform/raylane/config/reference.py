@@ -1,8 +1,9 @@
-"""The configuration reference, generated from the schema: the documentation site's page of
-every field (docs/reference/configuration.md, between its markers) and the run config's JSON
-Schema for editors (docs/reference/raylane-config.schema.json).
+"""The configuration reference's parts, generated from a schema: a table of every field of a
+pydantic model (its key, default and description), the page's sections between their markers,
+and the run config's JSON Schema for editors (docs/reference/raylane-config.schema.json).
 
-`PYTHONPATH=platform python -m raylane.config.reference` rewrites both, from the repository root.
+`raylane.reference` puts every schema a user writes on the page (docs/reference/
+configuration.md): `PYTHONPATH=platform python -m raylane.reference` rewrites both files.
 """
 
 from __future__ import annotations
@@ -17,8 +18,6 @@ from pydantic_core import PydanticUndefined
 
 from raylane.config.schema import RaylaneConfig
 
-BEGIN = "<!-- config-reference:begin -->"
-END = "<!-- config-reference:end -->"
 REFERENCE_PAGE = Path("docs/reference/configuration.md")
 JSON_SCHEMA = Path("docs/reference/raylane-config.schema.json")
 
@@ -39,17 +38,22 @@ def _fields(model: type[BaseModel], prefix: str = "") -> Iterator[tuple[str, str
         yield f"{prefix}{name}", shown, (field.description or "").replace("|", "\\|")
 
 
-def config_reference_markdown() -> str:
+def fields_table(model: type[BaseModel], prefix: str = "") -> str:
+    """Every field of `model` (nested models flattened to dotted keys under `prefix`) as a
+    markdown table: key, default, meaning."""
     lines = ["| key | default | meaning |", "|---|---|---|"]
-    lines += [f"| `{key}` | {default} | {text} |" for key, default, text in _fields(RaylaneConfig)]
+    lines += [f"| `{key}` | {default} | {text} |" for key, default, text in _fields(model, prefix)]
     return "\n".join(lines)
 
 
-def render_into(page: str) -> str:
-    """`page` with the text between the reference markers replaced by a fresh table."""
-    head, _, rest = page.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    return f"{head}{BEGIN}\n{config_reference_markdown()}\n{END}{tail}"
+def render_section(page: str, name: str, text: str) -> str:
+    """`page` with the text between section `name`'s markers replaced by `text`."""
+    begin, end = f"<!-- config-reference:{name}:begin -->", f"<!-- config-reference:{name}:end -->"
+    if begin not in page or end not in page:
+        raise ValueError(f"{REFERENCE_PAGE} has no {begin} ... {end} markers")
+    head, _, rest = page.partition(begin)
+    _, _, tail = rest.partition(end)
+    return f"{head}{begin}\n{text}\n{end}{tail}"
 
 
 def config_json_schema() -> dict[str, Any]:
@@ -71,8 +75,3 @@ def config_json_schema() -> dict[str, Any]:
 
 def config_json_schema_text() -> str:
     return json.dumps(config_json_schema(), indent=2, ensure_ascii=False) + "\n"
-
-
-if __name__ == "__main__":
-    REFERENCE_PAGE.write_text(render_into(REFERENCE_PAGE.read_text()))
-    JSON_SCHEMA.write_text(config_json_schema_text())

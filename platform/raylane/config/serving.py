@@ -52,6 +52,15 @@ class GenerationConfig(StrictModel):
     default_max_tokens: int = Field(
         16, ge=1, description="Tokens (bytes) generated when a request does not say."
     )
+    max_model_len: int = Field(
+        8192,  # raylane.generation.engine.MAX_MODEL_LEN (that module runs without pydantic)
+        ge=2,
+        le=1_048_576,
+        description="The longest context a sequence may use (prompt and output), and so the "
+        "KV cache's length per slot; the model's own context when that is shorter. A "
+        "checkpoint's whole context (128k positions for Llama 3.1) would take gigabytes per "
+        "slot. A longer request is refused with its token counts.",
+    )
     speculate: int = Field(
         0,
         ge=0,

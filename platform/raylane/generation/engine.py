@@ -41,7 +41,9 @@ from raylane.models.kv_cache import ints_on, placement
 
 #: The longest context a sequence may use by default, and so the KV cache's length per slot: a
 #: checkpoint's whole context (128k positions for Llama 3.1) would take gigabytes per slot.
+#: `serving.generation.max_model_len` sets it for a deployment.
 MAX_MODEL_LEN = 8192
+
 
 __all__ = [
     "Event",

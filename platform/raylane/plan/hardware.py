@@ -51,8 +51,8 @@ class Accelerator(StrictModel):
 
 
 class ClusterSpec(StrictModel):
-    nodes: int = Field(ge=1)
-    devices_per_node: int = Field(ge=1)
+    nodes: int = Field(ge=1, description="Nodes in the cluster.")
+    devices_per_node: int = Field(ge=1, description="Accelerators per node.")
     accelerator: str = Field(description="A key of the hardware catalog.")
     link_latency_us: float = Field(
         10.0, ge=0, description="Per-collective-step latency (alpha), microseconds."

@@ -50,7 +50,8 @@ def build_app(cfg: RaylaneConfig, tracking_uri: str, version: int, api_key: str 
             generation.speculate, serving.quantization, *guard, generation.draft_model,
             generation.max_adapters, generation.merge_adapter, serving.retry_after_s,
         )  # fmt: skip
-        placement |= {"dtype": serving.dtype, "cuda_graphs": serving.cuda_graphs}
+        placement |= {"dtype": serving.dtype, "cuda_graphs": serving.cuda_graphs,
+                      "max_model_len": generation.max_model_len}  # fmt: skip
     else:
         deployment, target = InferenceServer, serving.max_batch_size
         args = (*common, serving.max_batch_size, serving.batch_wait_timeout_s, *guard)
@@ -121,7 +122,9 @@ def check_served_models(cfg: RaylaneConfig, tracking_uri: str, version: int) -> 
 def check_draft_model(cfg: RaylaneConfig, tracking_uri: str, version: int) -> None:
     """The registry holds `serving.generation.draft_model` (when one is named), and its
     recorded architecture can propose for served `version`'s: the same vocabulary and a
-    context at least as long (read from both runs' configs, before anything is deployed).
+    context covering the one served (`max_model_len` at most), read before anything is deployed
+    from both versions' records (an import's config.json, a trained run's config, an adapter's
+    base).
 
     Raises:
         ModelNotFoundError: naming the draft's version or alias and the store.
@@ -138,7 +141,10 @@ def check_draft_model(cfg: RaylaneConfig, tracking_uri: str, version: int) -> No
     found = resolve_version(client, tracking_uri, ref.name, ref.alias, ref.version)
     draft_vocab, draft_context = recorded_shape(client, found)
     served = client.get_model_version(cfg.tracking.registered_model, str(version))
-    problem = draft_mismatch(*recorded_shape(client, served), draft_vocab, draft_context)
+    vocab, context = recorded_shape(client, served)
+    # The engine serves min(the model's context, max_model_len): the draft must cover that.
+    context = min(context, cfg.serving.generation.max_model_len)
+    problem = draft_mismatch(vocab, context, draft_vocab, draft_context)
     if problem:
         raise ServedModelError(
             f"serving.generation.draft_model {uri} (v{found.version}) cannot draft for "
@@ -321,13 +327,27 @@ def stop_serve(local_ray: bool, app_name: str = APP_NAME) -> None:
 def undeploy(app_name: str) -> bool:
     """Remove Serve application `app_name` from the connected cluster (its replicas drain and
     stop), leaving every other application serving; Serve itself is shut down
-    (`shutdown_serve`) when it held no other. False when `app_name` was not running."""
-    running = running_app_names()
-    if running <= {app_name}:
+    (`shutdown_serve`) when it held no other. False when `app_name` was not running. Serve's
+    state is read, never guessed: a failed read raises rather than shut other apps down."""
+    details = serve_details()
+    step = undeploy_step(app_name, details)
+    if step == "shutdown":
         shutdown_serve()
-    elif app_name in running:
+    elif step == "delete":
         _delete_app(app_name)
-    return app_name in running
+    return details is not None and app_name in (details.get("applications") or {})
+
+
+def undeploy_step(app_name: str, details: dict[str, Any] | None) -> str | None:
+    """What removing `app_name` takes, given Serve's `details` (`serve_details`): 'shutdown'
+    when Serve runs and holds no other application, 'delete' for `app_name` among others, None
+    when Serve does not run or holds others but not `app_name`."""
+    if details is None:
+        return None
+    running = set(details.get("applications") or {})
+    if running <= {app_name}:
+        return "shutdown"
+    return "delete" if app_name in running else None
 
 
 def _delete_app(app_name: str) -> None:

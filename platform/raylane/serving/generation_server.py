@@ -27,11 +27,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 import raylane
-from raylane.generation.engine import GenerationEngine
+from raylane.generation.engine import MAX_MODEL_LEN, GenerationEngine
 from raylane.generation.loader import load_draft_model, load_generation_model
 from raylane.generation.placement import place_model, serving_device
 from raylane.serving.adapter_routing import AdapterDirectory
-from raylane.serving.errors import ProtocolError
+from raylane.serving.errors import ProtocolError, route_path
 from raylane.serving.generation_loop import GenerationLoop
 from raylane.serving.guard import GuardSettings, RequestGuard
 from raylane.serving.metrics import GenerationMetrics
@@ -65,7 +65,7 @@ GENERATE_BODY = request_body("GenerateRequest", "OIP generate: text_input and pa
 
 @api.exception_handler(ProtocolError)
 async def _protocol_error(request: Request, exc: ProtocolError) -> JSONResponse:
-    if request.url.path.startswith("/v1/"):
+    if route_path(request.scope).startswith("/v1/"):  # under the app's route prefix too
         body = openai_error(str(exc), exc.status)
     else:
         body = {"error": str(exc)}
@@ -97,6 +97,7 @@ class GenerationServer:
         replica_gpus: float = 0.0,
         dtype: str = "fp32",
         cuda_graphs: bool = False,
+        max_model_len: int = MAX_MODEL_LEN,
     ):
         torch.set_num_threads(torch_threads)
         GUARD.key_digest = api_key_digest
@@ -119,7 +120,8 @@ class GenerationServer:
         decode = "cuda_graph" if cuda_graphs else "dynamic"
         draft_codec = self.draft_card.codec if self.draft_card is not None else None
         engine = GenerationEngine(model, max_num_seqs, speculate, draft, slots, decode,
-                                  codec=self.codec, draft_codec=draft_codec)  # fmt: skip
+                                  codec=self.codec, draft_codec=draft_codec,
+                                  max_model_len=max_model_len)  # fmt: skip
         self.loop = GenerationLoop(engine, metrics)
         self.adapters = AdapterDirectory(model_name, served, self.loop, tracking_uri,
                                          retry_after_s, max_adapters)  # fmt: skip

@@ -79,8 +79,12 @@ def recorded_model_config(client, run_id: str) -> ModelConfig:
 def recorded_shape(client, version) -> tuple[int, int]:
     """`(vocabulary, context)` of registered `version`: an imported checkpoint's
     `config.json` (`vocab_size`, `max_position_embeddings`), else its run's recorded model
-    config (`num_classes`, `input_dim`)."""
-    if (version.tags or {}).get(KIND_TAG) != HF_KIND:
+    config (`num_classes`, `input_dim`); a LoRA adapter's, its base's (it serves on it)."""
+    tags = version.tags or {}
+    if tags.get(ADAPTER_TAG):
+        base = client.get_model_version(tags[BASE_MODEL_TAG], tags[BASE_VERSION_TAG])
+        return recorded_shape(client, base)
+    if tags.get(KIND_TAG) != HF_KIND:
         model = recorded_model_config(client, version.run_id)
         return model.num_classes, model.input_dim
     with tempfile.TemporaryDirectory(prefix="raylane-shape-") as scratch:
