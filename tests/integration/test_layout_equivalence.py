@@ -1,5 +1,6 @@
-"""The core proof: every model-splitting layout (pipeline, hybrid, tensor parallel, FSDP,
-FSDP x tensor parallel, pipeline x FSDP, and 3D dp x pp x tp; the GPT's, and the Llama's tp,
+"""The core proof: every model-splitting layout (pipeline and hybrid, GPipe and 1F1B; tensor
+parallel, also with activation checkpointing; FSDP, FSDP x tensor parallel, pipeline x FSDP,
+and 3D dp x pp x tp; the GPT's, and the Llama's tp,
 sequence parallel, FSDP, pipeline and context parallel) is the same computation as
 single-process training, and so are the limits of the relaxed-consistency strategies that must
 reduce to it (DDP; local SGD averaging every step; an asynchronous parameter server with one
@@ -39,7 +40,10 @@ LAYOUTS = {
     "pipeline-gpipe": {"strategy": "pipeline", "schedule": "gpipe", "pp": 2, "dp": 1},
     "pipeline-1f1b": {"strategy": "pipeline", "schedule": "1f1b", "pp": 2, "dp": 1},
     "hybrid-1f1b": {"strategy": "hybrid", "schedule": "1f1b", "pp": 2, "dp": 2},
+    "hybrid-gpipe": {"strategy": "hybrid", "schedule": "gpipe", "pp": 2, "dp": 2},
     "tp2": {"strategy": "tp", "tp": 2, "dp": 1},
+    # Activation checkpointing alone on a tensor-parallel model (with FSDP below).
+    "tp2-ac": {"strategy": "tp", "tp": 2, "dp": 1, "activation_checkpointing": True},
     "tp2-dp2": {"strategy": "tp", "tp": 2, "dp": 2},
     "fsdp2": {"strategy": "fsdp", "tp": 1, "dp": 2},
     "fsdp2-tp2": {"strategy": "fsdp", "tp": 2, "dp": 2},

@@ -4,13 +4,15 @@ backend, served artifacts).
 One DDP job spreads a worker on each node and is tracked over HTTP; the server goes away after
 its first epoch and comes back while it trains. The tests read what that one run recorded:
 where its workers ran, what it logged, registered and aliased, and that the outage lost no
-epoch. One more job targets the second node's type by its custom resource."""
+epoch. Another, its workers targeting the second node's type by its custom resource, stops
+when the server stays away past `tracking.outage_window_s`, and its resume finishes it."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -249,16 +251,59 @@ def test_a_tracking_outage_mid_run_loses_no_epoch(spread_run):
     assert "tracking server back" in spread_run.said
 
 
-def test_workers_target_a_node_type_by_custom_resource(second_node, workspace):
-    cfg = load_config(
-        REFERENCE,
-        workspace.overrides(
-            "training.epochs=1",
-            "tracking.registered_model=raylane-digits-multinode",
+def test_an_outage_past_its_window_stops_the_run_and_its_resume_finishes_it(
+    ray_cluster, second_node, workspace, mlflow_server, tmp_path
+):
+    """`raylane train` whose server goes away for longer than the run's window (2 s): the run
+    stops with one line naming the outage and the command that resumes it; with the server
+    back, that resume trains the epochs left from the kept checkpoint, and every epoch is
+    logged once. Its workers target the second node's type by its custom resource."""
+    experiment, epochs = "outage-past-window", 5
+    overrides = [
+        *workspace.overrides(
+            f"training.epochs={epochs}",
+            f"experiment={experiment}",
+            "tracking.outage_window_s=2",
+            "parallelism.straggler={rank: 0, delay_s: 0.2}",  # epochs of seconds
             "tracking.system_metrics_interval_s=1",
             f"parallelism.resources_per_worker={{CPU: 0.5, {SECOND_NODE_RESOURCE}: 1}}",
         ),
-    )
-    outcome = run_training(cfg, register=False)  # nobody here reads the model
-    placement = _placement(MlflowClient(tracking_uri=workspace.tracking_uri), outcome.run_id)
+        f"tracking.tracking_uri={mlflow_server.url}",
+    ]
+    command = [sys.executable, "-m", "raylane.cli", "train"]
+    command += [arg for item in overrides for arg in ("--set", item)]
+    env = {**ray_cluster.client_env, "RAY_ADDRESS": ray_cluster.address, "COLUMNS": "200"}
+    client = MlflowClient(tracking_uri=mlflow_server.url)
+    log = tmp_path / "train.log"
+    with log.open("w") as out:
+        train = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 300
+            while not _epochs_logged(client, experiment):
+                assert train.poll() is None and time.monotonic() < deadline, log.read_text()
+                time.sleep(0.1)
+            mlflow_server.stop()
+            code = train.wait(timeout=300)
+        finally:
+            if train.poll() is None:
+                train.kill()
+            mlflow_server.start()
+    console = log.read_text()
+    assert code == 2, console[-3000:]  # a user-facing error, not a crash
+    (said,) = [line for line in console.splitlines() if line.startswith(f"error: {OUTAGE}")]
+    assert "(tracking.outage_window_s 2)" in said, said
+    run_id = re.search(r"`raylane train --resume ([0-9a-f]{32})` once it is back", said)[1]
+    logged = [m.step for m in client.get_metric_history(run_id, "val_loss")]
+    assert logged == list(range(len(logged))) and 0 < len(logged) < epochs - 1, logged
+
+    resumed = subprocess.run(
+        [sys.executable, "-m", "raylane.cli", "train", "--resume", run_id],
+        env={**env, "MLFLOW_TRACKING_URI": mlflow_server.url},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert resumed.returncode == 0, (resumed.stdout + resumed.stderr)[-3000:]
+    history = client.get_metric_history(run_id, "val_loss")
+    assert [m.step for m in history] == list(range(epochs))  # each epoch once
+    assert client.get_run(run_id).info.status == "FINISHED"
+    placement = _placement(client, run_id)  # the resumed group's: on that node again
     assert [rank["node_id"] for rank in placement] == [second_node, second_node]

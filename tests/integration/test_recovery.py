@@ -6,13 +6,15 @@ uninterrupted reference run.
 
 The driver run uses the reference run's config; only names that do not touch the computation
 (the experiment, the registered model, the failure budget) differ. The reproduction is the
-pipeline reference run's own recorded config.
+pipeline reference run's own recorded config. And a run that could not be reproduced, its
+workers importing other raylane code than its driver, stops before its first step.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -153,3 +155,34 @@ def test_reproducing_a_pipeline_run_replaces_a_killed_stage_and_ends_identical(
     assert [r.info.run_id for r in again] == [run_id]
     assert again[0].data.tags["raylane.reproduced"] == "identical"
     _assert_same_as_reference(client, run_id, pipeline_run)
+
+
+def test_workers_importing_other_code_than_the_driver_stop_the_run_in_one_line(
+    ray_cluster, workspace, tmp_path
+):
+    """The driver imports a copy of raylane with one byte changed (its PYTHONPATH), the
+    workers the cluster's own installed copy (Ray hands them the driver's working directory,
+    not its PYTHONPATH): the run stops before its first step, in one line naming both."""
+    from raylane.tracking.identity import code_digest, package_dir
+    from raylane.train.errors import CODE_MISMATCH
+
+    copy = tmp_path / "platform" / "raylane"
+    shutil.copytree(package_dir(), copy, ignore=shutil.ignore_patterns("__pycache__"))
+    with (copy / "__init__.py").open("a") as init:
+        init.write("# a local edit\n")
+    experiment = "mixed-code"
+    env = {**_env(ray_cluster), "PYTHONPATH": str(copy.parent)}
+    ran = subprocess.run(
+        _cli("--config", str(REFERENCE),
+             *_set(workspace.overrides("training.epochs=1", f"experiment={experiment}"))),
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    output = ran.stdout + ran.stderr
+    assert ran.returncode == 2, output[-4000:]
+    (said,) = [line for line in output.splitlines() if line.startswith("error:")]
+    assert said.startswith(f"error: {CODE_MISMATCH}: "), said
+    assert f"driver: {code_digest(copy)[:12]} at {copy}" in said, said
+    assert f"{code_digest()[:12]} at {package_dir()}" in said, said
+    client = MlflowClient(tracking_uri=workspace.tracking_uri)
+    (run,) = client.search_runs([client.get_experiment_by_name(experiment).experiment_id])
+    assert not client.get_metric_history(run.info.run_id, "train_loss")  # not a step trained

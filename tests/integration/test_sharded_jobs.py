@@ -1,9 +1,12 @@
-"""Model-splitting layouts through the product's own path (`run_training`: Ray Data, the loop's
-routing of rows to replicas and stages, the configured optimizer, MLflow): each trains what one
-worker trains on the same global batches; tensor-parallel and FSDP runs checkpoint sharded,
-resume to the uninterrupted result (as a context-parallel run does), record per-worker memory,
-and their assembled model is registered whole and loads as the inference endpoint loads it (a
-served pipeline model answers over HTTP in test_pipeline_jobs.py)."""
+"""Model-splitting layouts through the product's own path (`run_training`: the loop's routing
+of rows to replicas and stages, the configured optimizer, MLflow): each trains what one worker
+trains on the same global batches; tensor-parallel and FSDP runs checkpoint sharded, resume to
+the uninterrupted result (as a context-parallel run does), record per-worker memory, and their
+assembled model is registered whole and loads as the inference endpoint loads it (a served
+pipeline model answers over HTTP in test_pipeline_jobs.py). The layouts with pipeline stages
+read their rows through Ray Data (`data.feed: ray_data`), the others from the object store
+(the memory feed): both feeds must hand every stage and replica its rows of the same batches.
+"""
 
 from __future__ import annotations
 
@@ -50,17 +53,29 @@ LAYOUTS = {
         "parallelism.tp=2",
     ],
 }
+# Stages read the same rows, whole (Ray Data does not shard them): each stage keeps its
+# replica's slice of every global batch.
+RAY_DATA = "data.feed=ray_data"
 LAYOUTS["3d"] = [
     "parallelism.strategy=hybrid",
     "parallelism.pp=2",
     "parallelism.dp=2",
     "parallelism.tp=2",
+    RAY_DATA,
+]
+# Each of 2 pipeline stages sharded over 2 workers (FSDP2 inside the 1F1B schedule).
+LAYOUTS["pp-fsdp"] = [
+    "parallelism.strategy=fsdp",
+    "parallelism.pp=2",
+    "parallelism.dp=2",
+    "parallelism.schedule=1f1b",
+    RAY_DATA,
 ]
 # Context parallelism: each sequence split over 2 workers (ring attention), their checkpoint
 # the plain model rank 0 writes.
 LAYOUTS["cp"] = ["parallelism.strategy=ddp", "parallelism.pp=1", "parallelism.dp=1",
                  "parallelism.cp=2"]  # fmt: skip
-WORKERS = {"tp-sp": 2, "fsdp": 2, "fsdp-tp": 4, "3d": 8, "cp": 2}
+WORKERS = {"tp-sp": 2, "fsdp": 2, "fsdp-tp": 4, "3d": 8, "pp-fsdp": 4, "cp": 2}
 
 
 def _config(workspace, *extra: str):
@@ -181,18 +196,17 @@ def _parameter_shapes() -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in build_model(model).named_parameters()}
 
 
-@pytest.mark.parametrize(("name", "files"), [("tp-sp", {2})])
-def test_sharded_checkpoint_resumes_to_the_uninterrupted_result(
-    layout_runs, workspace, name, files
-):
-    _, uninterrupted = layout_runs(name)
+def test_a_3d_checkpoint_resumes_to_the_uninterrupted_result(layout_runs, workspace):
+    """dp x pp x tp: each stage's tensor-parallel shards and Adam moments back from torch DCP
+    (the tp-only and FSDP cases are the same load, per stage), each stage's rows again from
+    Ray Data."""
+    _, uninterrupted = layout_runs("3d")
     # The uninterrupted run's first epoch (the run keeps its last two checkpoints).
     checkpoint = Path(uninterrupted.checkpoint_path).parent / "epoch_0000"
     assert (checkpoint / "sharded" / ".metadata").is_file()
-    # A file per worker holding shards no other worker wrote (dp replicas' copies once).
-    assert len(list((checkpoint / "sharded").glob("*.distcp"))) in files
-    assert (checkpoint / "model-part000.pt").is_file()  # the assembled model (or stage 0)
-    _, resumed = layout_runs(name, f"training.resume_from={checkpoint}")
+    assert len(list((checkpoint / "sharded").glob("*.distcp"))) == WORKERS["3d"]
+    assert {"model-part000.pt", "model-part001.pt"} <= {p.name for p in checkpoint.iterdir()}
+    _, resumed = layout_runs("3d", f"training.resume_from={checkpoint}")
     # The resumed run trains epoch 1 only, from epoch 0's weights and Adam moments.
     assert _losses(workspace, resumed.run_id) == pytest.approx(
         _losses(workspace, uninterrupted.run_id)[1:], rel=1e-4

@@ -1,10 +1,12 @@
 """Layouts against the plain model, on a 2-process gloo group: activation checkpointing on
 DDP; a pipeline cut unevenly by `split_points` (block 0 on one stage, blocks 1-2 on the other),
-alone and with every stage's blocks checkpointed; bf16 mixed precision on FSDP2 and on tensor
-parallelism, against the plain model under the same autocast.
+alone and with every stage's blocks checkpointed; bf16 mixed precision on FSDP2, tensor
+parallelism, pipeline stages and context parallelism, against the plain model under the same
+autocast.
 
 Each worker runs raylane's own strategy (`DataParallel`, `PipelineParallel`, `MeshParallel`:
-their model wrapping and `train_step`) on the config it would get; the plain model runs in each
+their model wrapping and `train_step`; for bf16, the one `get_strategy` picks) on the config it
+would get; the plain model runs in each
 process alone on the whole batch. The checks run in the spawn `test_proof_replicas` starts.
 
 Tolerances. fp32: the mean of two micro-batches' (or replicas') mean losses against the mean
@@ -38,8 +40,8 @@ from raylane.models.losses import cross_entropy
 from raylane.models.optim import build_optimizer
 from raylane.parallel.ddp import DataParallel
 from raylane.parallel.grad_compression import register_compression
-from raylane.parallel.mesh_parallel import MeshParallel
 from raylane.parallel.pipeline import PipelineParallel
+from raylane.parallel.registry import get_strategy
 from tests.readme_blocks import ROOT
 
 from .gloo import by_rank
@@ -57,10 +59,18 @@ PIPELINES = {  # name: config overrides
         "training.activation_checkpointing=true",
     ],
 }
-BF16_LAYOUTS = {  # name: (config overrides, each worker trains on its own half of the rows)
-    "fsdp2": (["parallelism.strategy=fsdp", "parallelism.dp=2", "parallelism.tp=1"], True),
-    "tp2": (["parallelism.strategy=tp", "parallelism.dp=1", "parallelism.tp=2"], False),
-}
+# name: (config overrides, each worker trains on its own half of the rows, workers reporting
+# the loss: their mean is the whole batch's, each over an equal part of it)
+BF16_LAYOUTS = {
+    "fsdp2": (["parallelism.strategy=fsdp", "parallelism.dp=2", "parallelism.tp=1"], True, 2),
+    "tp2": (["parallelism.strategy=tp", "parallelism.dp=1", "parallelism.tp=2"], False, 1),
+    # The last stage reports the mean of its 2 micro-batches' losses.
+    "pp2": (["parallelism.strategy=pipeline", "parallelism.pp=2", "parallelism.dp=1",
+             "parallelism.split_points=[1]", "parallelism.microbatches=2"], False, 1),
+    # Each worker computes on its chunks of every sequence (ring attention) and reports their
+    # mean loss.
+    "cp2": (["parallelism.strategy=ddp", "parallelism.dp=1", "parallelism.cp=2"], False, 2),
+}  # fmt: skip
 
 
 def _config(*overrides: str):
@@ -177,28 +187,30 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _check_bf16(rank: int, overrides: list[str], halves: bool) -> dict:
-    """One bf16 step of the layout against the plain model's under the same autocast: the
-    worker's loss against the plain model's on the same rows, the parameters after the step
-    against the plain model's after its step on the whole batch."""
-    strategy = MeshParallel(_config("parallelism.pp=1", "training.precision=bf16", *overrides),
-                            rank)  # fmt: skip
+    """One bf16 step of the layout (the strategy its config gets) against the plain model's
+    under the same autocast: the worker's loss, and its parameters after the step against the
+    plain model's after its step on the whole batch."""
+    cfg = _config("parallelism.pp=1", "training.precision=bf16", *overrides)
+    strategy = get_strategy(cfg, rank)
     plain = _gpt()
     model = strategy.wrap_model(copy.deepcopy(plain))
     dtypes = []
-    model.head.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
+    head = getattr(model, "head", None)  # a pipeline's first stage has none
+    if head is not None:
+        head.register_forward_hook(lambda module, args, out: dtypes.append(out.dtype))
     optimizer = build_optimizer(model.parameters(), "sgd", LR, 0.0)
     inputs, targets = _tokens(0)
     rows = slice(rank * ROWS // 2, (rank + 1) * ROWS // 2) if halves else slice(None)
-    loss = strategy.train_step(model, optimizer, cross_entropy, inputs[rows], targets[rows])
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        expected_loss = cross_entropy(plain(inputs[rows]).float(), targets[rows]).item()
+    mine = strategy.local_batch(inputs[rows], targets[rows])
+    loss = strategy.train_step(model, optimizer, cross_entropy, *mine)
     initial = {n: p.detach().clone() for n, p in plain.named_parameters()}
-    _plain_step(plain, inputs, targets, bf16=True)
+    expected_loss, _ = _plain_step(plain, inputs, targets, bf16=True)
     expected = {n: p.detach() for n, p in plain.named_parameters()}
     params = {n: _full(p).detach() for n, p in model.named_parameters()}
     return {
         "head_dtypes": dtypes,
-        "loss": loss.item() if strategy.reports_loss else None,
+        "has_head": head is not None,
+        "loss": loss.item() if strategy.reports_loss and loss is not None else None,
         "expected_loss": expected_loss,
         "param_error": _max_error(params, expected),
         "moved": _max_error(expected, initial),
@@ -209,7 +221,7 @@ CHECKS = {
     "ddp, checkpointed blocks": _check_ddp_checkpointing,
     **{name: functools.partial(_check_pipeline, overrides=o) for name, o in PIPELINES.items()},
     **{name: functools.partial(_check_bf16, overrides=o, halves=h)
-       for name, (o, h) in BF16_LAYOUTS.items()},
+       for name, (o, h, _) in BF16_LAYOUTS.items()},
 }  # fmt: skip
 
 
@@ -248,12 +260,20 @@ def test_uneven_pipeline_equals_the_plain_model(results, name):
 
 @pytest.mark.parametrize("name", list(BF16_LAYOUTS))
 def test_bf16_layout_is_within_bf16_rounding_of_the_plain_model(results, name):
-    reported = [r[name] for r in results if r[name]["loss"] is not None]
-    assert len(reported) == (2 if BF16_LAYOUTS[name][1] else 1)  # replicas, or one tp worker
+    reported = [r[name]["loss"] for r in results if r[name]["loss"] is not None]
+    assert len(reported) == BF16_LAYOUTS[name][2]
+    assert any(r[name]["has_head"] for r in results)
     for found in (r[name] for r in results):
         print(f"bf16 {name}: {found}")
-        assert set(found["head_dtypes"]) == {torch.bfloat16}  # the forward ran in bf16
+        if found["has_head"]:  # the step's forwards ran in bf16 (a micro-batch each)
+            dtypes = found["head_dtypes"]
+            if name == "pp2":  # after the schedule's shape inference, run once outside autocast
+                assert dtypes[0] == torch.float32
+                dtypes = dtypes[1:]
+            assert dtypes == [torch.bfloat16] * (2 if name == "pp2" else 1), found["head_dtypes"]
         assert found["param_error"] <= BF16_TOLERANCE["param_atol"] < found["moved"] / 10
-    for found in reported:
-        rel = BF16_TOLERANCE["loss_rel"]
-        assert found["loss"] == pytest.approx(found["expected_loss"], rel=rel), found
+    # Equal parts of the whole batch (rows, micro-batches, sequence chunks): their mean loss is
+    # the plain model's on the whole batch.
+    expected = results[0][name]["expected_loss"]
+    got = sum(reported) / len(reported)
+    assert got == pytest.approx(expected, rel=BF16_TOLERANCE["loss_rel"]), (got, expected)

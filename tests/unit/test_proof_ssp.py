@@ -1,6 +1,6 @@
-"""Bounded staleness with more than one worker: the parameter server's shard and clock
-(`raylane.parallel.param_server.Shard` and `Clock`, the classes its Ray actors run) driven by
-3 workers of unequal speed in one event loop, each step as `ParameterServerTraining.
+"""Bounded staleness (and none: async) with more than one worker: the parameter server's shard
+and clock (`raylane.parallel.param_server.Shard` and `Clock`, the classes its Ray actors run),
+driven by 3 workers of unequal speed in one event loop, each step as `ParameterServerTraining.
 sync_gradients` takes it: the gradient pushed to the shard and the clock advanced at once (two
 actors, so either may be served first), the worker held until it is within `staleness` steps of
 the slowest, then continuing from the parameters the push returned. (`sync_gradients` itself
@@ -44,11 +44,12 @@ async def _turns(count: int) -> None:
 class Run:
     """One shard, one clock and the log of every push."""
 
-    def __init__(self, bound: int) -> None:
+    def __init__(self, bound: int | None) -> None:
         self.bound = bound
         self.shard = Shard([np.zeros(4, dtype=np.float32)], lr=0.1, weight_decay=0.0,
                            staleness_lr=False, optimizer="sgd")  # fmt: skip
-        self.clock = Clock(WORKERS, bound)
+        # 'async' (bound None) keeps no clock: this one only counts each worker's steps.
+        self.clock = Clock(WORKERS, STEPS if bound is None else bound)
         self.applied: list[tuple[int, int]] = []  # (worker, step) in the order applied
         self.ahead: list[int] = []  # how far ahead of the slowest each step started
         self.pressed = 0  # advances that found their worker past the bound: it had to wait
@@ -74,15 +75,21 @@ class Run:
             self.ahead.append(self.clock.clocks[worker] - self.running_slowest())
             self._record_lags(worker, step, seen)
             await _turns(rng.randint(1, 4) * (8 if worker == SLOW else 1))  # the step
-            self.pressed += self.clock.clocks[worker] + 1 - self.running_slowest() > self.bound
-            pushed, _ = await asyncio.gather(
-                self.push(worker, step, version, delay=rng.randint(0, PUSH_DELAY)),
-                self.clock.advance(worker),
-            )
+            if self.bound is not None:
+                self.pressed += self.clock.clocks[worker] + 1 - self.running_slowest() > self.bound
+            push = self.push(worker, step, version, delay=rng.randint(0, PUSH_DELAY))
+            if self.bound is None:  # 'async': no clock, the push alone
+                self.clock.clocks[worker] += 1  # the step count only (never waited on)
+                pushed = await push
+            else:
+                pushed, _ = await asyncio.gather(push, self.clock.advance(worker))
             _, version = pushed
             seen = version
             versions.append(version)
-        await self.clock.pause(worker)  # its steps are done: nobody waits for it
+        if self.bound is not None:
+            await self.clock.pause(worker)  # its steps are done: nobody waits for it
+        else:
+            self.clock.done.add(worker)
         return versions
 
     def _record_lags(self, worker: int, step: int, seen: int) -> None:
@@ -94,7 +101,7 @@ class Run:
                 self.lags.append(max(step - 1 - included, 0))
 
 
-def _scripted(bound: int) -> tuple[Run, list[list[int]]]:
+def _scripted(bound: int | None) -> tuple[Run, list[list[int]]]:
     """The scripted run (deterministic) under a clock of `bound`; each worker's versions."""
 
     async def main():
@@ -147,3 +154,18 @@ def test_each_gradient_sees_every_update_up_to_the_bound_plus_two_steps_back(ran
     unbounded, _ = _scripted(STEPS)
     print(f"without a bound: {Counter(unbounded.lags)}")
     assert max(unbounded.ahead) > STALENESS + 2 and max(unbounded.lags) > STALENESS + 2
+
+
+def test_async_applies_every_push_once_in_order_with_the_staleness_it_had():
+    """'async' (no clock) on the same script: no worker ever waits, every push is applied
+    once, each worker's versions only increase, and the shard's staleness record is exactly
+    the pushes' log; the slow worker falls far behind and its updates arrive stale."""
+    run, versions = _scripted(None)
+    for mine in versions:
+        assert all(b > a for a, b in zip(mine, mine[1:], strict=False)), mine
+    assert run.shard.version == WORKERS * STEPS == len(run.applied)
+    assert sorted(run.applied) == [(w, s) for w in range(WORKERS) for s in range(1, STEPS + 1)]
+    assert Counter(run.shard.staleness_counts()) == run.staleness
+    print(f"async: ahead {Counter(run.ahead)}, staleness {sorted(run.staleness.items())}")
+    # The fast workers finish while the slow one is a few steps in: far more than any bound.
+    assert max(run.ahead) >= STEPS // 2 and max(run.lags) > STALENESS + 2

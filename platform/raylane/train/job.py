@@ -96,9 +96,13 @@ def run_training(
     context = RunContext(cfg, tags, resume_run_id, digest, base, tracking_uri)
     with mlflow.start_run(**start) as run:
         log.info("MLflow run %s in %s", run.info.run_id, tracking_uri)
-        result, metrics, registered = _fit_and_record(
-            cfg, run_name, run.info.run_id, context, phases, setup_start, register
-        )
+        try:
+            result, metrics, registered = _fit_and_record(
+                cfg, run_name, run.info.run_id, context, phases, setup_start, register
+            )
+        except TrackingError:
+            _end_unreachable_run()
+            raise
     model_uri, version, promoted, promotion = registered or (None, None, False, "not registered")
     return TrainingOutcome(
         run_id=run.info.run_id,
@@ -111,6 +115,14 @@ def run_training(
         promoted=promoted,
         promotion=promotion,
     )
+
+
+def _end_unreachable_run() -> None:
+    """End the job's MLflow run after a tracking outage stopped it, trying the server once
+    (MLflow's retries would hold the one-line stop for minutes): while it is still away the
+    run stays RUNNING, and `raylane train --resume` continues it."""
+    with fail_fast_tracking(), contextlib.suppress(Exception):
+        mlflow.end_run("FAILED")
 
 
 def _fit_and_record(
@@ -138,8 +150,12 @@ def _fit_and_record(
         try:
             result, metrics = _fit_run(cfg, trainer, recorder, register)
         finally:
-            # Each rank's console output, read from Ray's log files while the model is logged.
-            logs = background.submit(keep_run_worker_logs, uri, run_id, recorder.placement)
+            # Each rank's console output, read from Ray's log files while the model is logged
+            # (not after an outage stopped the fit: the server would not take them, and
+            # MLflow's retries would hold the one-line stop for minutes).
+            logs = None
+            if recorder.error is None:
+                logs = background.submit(keep_run_worker_logs, uri, run_id, recorder.placement)
         context.recorded(recording, run_id)
         fit_end = time.time()
         if result.checkpoint is None:
@@ -147,7 +163,8 @@ def _fit_and_record(
         phases.split_fit(fit_start, fit_end, marks_from_metrics(result.metrics))
         drawn = background.submit(recorder.draw)  # the last epochs' step split figure
         registered = record_model(cfg, result.checkpoint, metrics, register)
-        logs.result()
+        if logs is not None:
+            logs.result()
         drawn.result()
         _outage_stops(recorder.close)  # metrics an outage held back, if any
         phases.add("model", time.time() - fit_end)

@@ -84,7 +84,11 @@ class RunRecorder:
         except Exception as exc:  # noqa: BLE001 - an outage is waited out by `finish`
             log.debug("run record: %s", exc)
         if self._monitor is not None:
-            self._monitor.finish()
+            try:
+                self._monitor.finish()  # its last samples, sent to the tracking server
+            except Exception as exc:  # noqa: BLE001 - never mask how the fit ended
+                reason = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+                log.warning("this node's last system metrics not logged: %s", reason)
             self._monitor = None
 
     def _watch(self) -> None:
