@@ -23,14 +23,25 @@ def verbose() -> bool:
     return os.environ.get("RAYLANE_VERBOSE") == "1"
 
 
+#: Set by Ray in the driver of a `ray job submit` job (its runtime env, working dir included).
+JOB_CONFIG_ENV = "RAY_JOB_CONFIG_JSON_ENV_VAR"
+
+
 def connect_ray(
-    address: str | None = None, before_local_start: Callable[[], None] | None = None
+    address: str | None = None,
+    before_local_start: Callable[[], None] | None = None,
+    ship: Path | None = None,
 ) -> bool:
     """Connect to the cluster at `address` / $RAY_ADDRESS, else start a local Ray.
 
     Returns True when this call started Ray (the caller then owns `ray.shutdown()`).
     `before_local_start` runs only when a Ray is started here, before it starts (serving sets
     Serve's ingress variables with it: a running cluster keeps what it was started with).
+    `ship` (a package directory or module file of the working directory, such as a custom
+    model's factory) goes to every node of a running cluster as a Ray `py_modules` runtime
+    env: Ray hands workers the driver's working directory as a path, which exists on other
+    nodes only with shared storage. Not needed by a local Ray, nor inside a `ray job submit`
+    job, whose working directory Ray ships.
     Ray 2.60 turns token authentication on for local clusters: a local start writes
     ~/.ray/auth_token, and clients of a `ray start` cluster need RAY_AUTH_MODE=token and that
     token (see docs/guides/clusters.md). Inside a `ray job submit` job, RAY_ADDRESS is set by
@@ -45,9 +56,15 @@ def connect_ray(
         before_local_start()
     # "local" always starts a new Ray for this process, even when another one (say a
     # `ray start` cluster of someone else's) runs on the machine.
+    runtime_env = None
+    if ship is not None and address is not None and JOB_CONFIG_ENV not in os.environ:
+        runtime_env = {"py_modules": [str(ship)]}
     with long_step("connecting to Ray" if address else "starting Ray"), _sigterm_kept():
         context = ray.init(
-            address=address or "local", logging_level=logging.WARNING, log_to_driver=verbose()
+            address=address or "local",
+            logging_level=logging.WARNING,
+            log_to_driver=verbose(),
+            runtime_env=runtime_env,
         )
     if not verbose():
         logs = Path(context.address_info.get("session_dir", "/tmp/ray/session_latest")) / "logs"

@@ -1,7 +1,8 @@
 """The core proof: every model-splitting layout (pipeline and hybrid, GPipe and 1F1B; tensor
 parallel, also with activation checkpointing; FSDP, FSDP x tensor parallel, pipeline x FSDP,
 and 3D dp x pp x tp; the GPT's, and the Llama's tp,
-sequence parallel, FSDP, pipeline and context parallel) is the same computation as
+sequence parallel, FSDP, pipeline, context parallel, tp inside stages and inside
+context-parallel groups, and 3D) is the same computation as
 single-process training, and so are the limits of the relaxed-consistency strategies that must
 reduce to it (DDP; local SGD averaging every step; an asynchronous parameter server with one
 worker), and gradient compression (DDP's hook, tensor-parallel replicas) against single-process
@@ -109,6 +110,24 @@ LAYOUTS = {
         "dp": 1,
     },
     "llama-cp2": {"model": "llama", "strategy": "ddp", "dp": 1, "cp": 2},
+    # Its tensor-parallel plan inside pipeline stages and inside context-parallel groups.
+    "llama-pp2-tp2": {
+        "model": "llama",
+        "strategy": "pipeline",
+        "schedule": "1f1b",
+        "pp": 2,
+        "dp": 1,
+        "tp": 2,
+    },
+    "llama-cp2-tp2": {"model": "llama", "strategy": "tp", "dp": 1, "cp": 2, "tp": 2},
+    "llama-3d": {
+        "model": "llama",
+        "strategy": "hybrid",
+        "schedule": "1f1b",
+        "pp": 2,
+        "dp": 2,
+        "tp": 2,
+    },
 }
 LLAMA = ["model.kind=llama", "model.n_kv_heads=2"]
 TRAINING_KEYS = ("activation_checkpointing", "precision")

@@ -360,3 +360,22 @@ def test_the_example_loss_is_label_smoothed():
     outputs, labels = torch.randn(4, 10), torch.tensor([0, 1, 2, 3])
     expected = F.cross_entropy(outputs, labels, label_smoothing=0.1)
     assert torch.equal(loss_fn(outputs, labels), expected)
+
+
+def test_a_working_directory_factory_is_shipped_to_a_running_clusters_nodes(
+    user_module, tmp_path, monkeypatch
+):
+    """What `connect_ray` sends as `py_modules` to a cluster's nodes: the factory's module
+    file (or top-level package directory) from the working directory; nothing for an
+    installed package or another kind of model."""
+    cfg = _config({"factory": f"{user_module}:build", "args": {"width": 4}})
+    assert cfg.model.factory_source() == (tmp_path / f"{user_module}.py").resolve()
+    package = tmp_path / "mine" / "models"
+    package.mkdir(parents=True)
+    (package / "net.py").write_text(USER_MODULE)
+    cfg = _config({"factory": "mine.models.net:build", "args": {"width": 4}})
+    assert cfg.model.factory_source() == (tmp_path / "mine").resolve()
+    installed = _config({"factory": "torch.nn:Linear", "args": {"in_features": 2,
+                                                                 "out_features": 2}})  # fmt: skip
+    assert installed.model.factory_source() is None
+    assert validate_config({"experiment": "t"}).model.factory_source() is None

@@ -81,23 +81,27 @@ def test_logits_equal_transformers(checkpoint):
     assert (bias is not None) == (hf_model.config.model_type == "qwen2")
 
 
-def test_greedy_decoding_through_the_cache_equals_generate(checkpoint):
+def test_greedy_decoding_with_and_without_the_cache_equals_generate(checkpoint):
     hf_model, directory = checkpoint
     model = load_pretrained(directory).eval()
-    prompts, new = _tokens(length=8), 32
-    hf_model.generation_config.eos_token_id = None  # decode all 32 tokens
+    prompts, new = _tokens(length=8), 64
+    hf_model.generation_config.eos_token_id = None  # decode all 64 tokens
     with torch.no_grad():
         expected = hf_model.generate(prompts, max_new_tokens=new, do_sample=False, pad_token_id=0)[
             :, prompts.shape[1] :
         ]
-        cache, slots = model.kv_cache(slots=2, max_len=64), [0, 1]
+        cache, slots = model.kv_cache(slots=2, max_len=8 + new), [0, 1]
         logits = model.extend(prompts, cache, slots)  # prefill both slots, then one step each
         picked = []
         for _ in range(new):
             picked.append(logits[:, -1].argmax(-1))
             logits = model.extend(picked[-1][:, None], cache, slots)
+        sequence = prompts  # no cache: every token from a forward over the whole sequence
+        for _ in range(new):
+            sequence = torch.cat([sequence, model(sequence)[:, -1].argmax(-1)[:, None]], dim=1)
     assert cache.lengths == [8 + new] * 2
     assert torch.equal(torch.stack(picked, dim=1), expected)
+    assert torch.equal(sequence[:, 8:], expected)
 
 
 def test_export_loads_in_transformers_with_equal_logits(checkpoint, tmp_path):
@@ -228,8 +232,12 @@ def test_llama_layouts_and_those_refused():
         strategy="pipeline", pp=2, workers=2, microbatches=2
     ).parallelism.dims.pp_enabled
     assert _run_config(strategy="ddp", cp=2, workers=2).parallelism.dims.cp_enabled
-    with pytest.raises(ValidationError, match=r"tensor parallelism \(tp 2\) or by pipeline"):
-        _run_config(strategy="tp", tp=2, cp=2, workers=4)
+    # Its tensor-parallel plan inside context-parallel groups and pipeline stages (proven in
+    # test_layout_equivalence.py).
+    assert _run_config(strategy="tp", tp=2, cp=2, workers=4).parallelism.dims.cp_enabled
+    assert _run_config(
+        strategy="pipeline", pp=2, tp=2, workers=4, microbatches=2
+    ).parallelism.dims.tp_enabled
     tied = {"kind": "llama", "num_classes": 256, "input_dim": 32, "tie_embeddings": True}
     with pytest.raises(ValidationError, match="a llama whose head is its embedding"):
         RaylaneConfig.model_validate({

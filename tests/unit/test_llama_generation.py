@@ -21,7 +21,7 @@ from tests.unit.conftest import CHECKPOINT
 
 transformers = pytest.importorskip("transformers")
 
-NEW = 32
+NEW = 64
 PROMPTS = ["def main(", "import os\nclass Path:", "é 漢字 🙂 return"]
 GREEDY = SamplingParams(max_tokens=NEW, temperature=0)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 from raylane.cli.common import fail
 from raylane.cli.lazy import deferred
@@ -49,11 +50,15 @@ def user_mistakes(*more: type[Exception]) -> Iterator[None]:
 
 @contextmanager
 def on_ray(
-    *more: type[Exception], phases=None, before_local_start: Callable[[], None] | None = None
+    *more: type[Exception],
+    phases=None,
+    before_local_start: Callable[[], None] | None = None,
+    ship: Path | None = None,
 ) -> Iterator[bool]:
     """One command's time on Ray: connect to $RAY_ADDRESS or start a local Ray (yielding
     whether it started one), report a user's mistake in one line, and stop a Ray it started
-    however the command ends. `phases` (a PhaseClock) times the connection and shutdown."""
+    however the command ends. `phases` (a PhaseClock) times the connection and shutdown;
+    `ship` is what a running cluster's nodes get of the working directory (`connect_ray`)."""
 
     def timed(name: str):
         return phases.phase(name) if phases is not None else nullcontext()
@@ -62,7 +67,7 @@ def on_ray(
     try:
         with user_mistakes(*more):
             with timed("ray"):
-                started = connect_ray(before_local_start=before_local_start)
+                started = connect_ray(before_local_start=before_local_start, ship=ship)
             yield started
     finally:
         with timed("shutdown"):

@@ -63,7 +63,7 @@ def train(
 def _train_and_report(cfg: RaylaneConfig, phases, report=None, **run_options) -> None:
     """Run the job on Ray (connected or started here), print its outcome (and what `report`
     prints of it), then its phases."""
-    with on_ray(phases=phases):
+    with on_ray(phases=phases, ship=cfg.model.factory_source()):
         outcome = job.run_training(cfg, phases=phases, **run_options)
     _print_outcome(cfg, outcome)
     if report is not None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import importlib
+import importlib.util
 import json
 import math
 import os
@@ -182,6 +183,25 @@ class ModelConfig(StrictModel):
                 Path(path).read_bytes()
             ).hexdigest()
         return tags
+
+    def factory_source(self) -> Path | None:
+        """custom: the directory of the factory's top-level package (or its module file) when
+        it comes from the working directory, not an installed package: what the workers on
+        other nodes need shipped (`raylane.runtime.connect_ray`). None otherwise."""
+        if self.kind != "custom" or self.factory is None:
+            return None
+        top = self.factory.partition(":")[0].split(".")[0]
+        spec = importlib.util.find_spec(top)
+        if spec is None:
+            return None
+        if spec.submodule_search_locations:  # a package, or a namespace package's directory
+            path = Path(next(iter(spec.submodule_search_locations)))
+        elif spec.origin:
+            path = Path(spec.origin)
+        else:
+            return None
+        installed = {"site-packages", "dist-packages"}
+        return None if installed & set(path.resolve().parts) else path.resolve()
 
     def pretrained_config(self) -> dict:
         """The `pretrained` checkpoint's config.json (a few hundred bytes)."""

@@ -181,8 +181,8 @@ class RaylaneConfig(StrictModel):
     def _check_llama_support(self) -> RaylaneConfig:
         """A llama trains where its workers agree in lockstep (all-reduce or sharding): whole
         blocks per worker, split by its tensor-parallel plan (`raylane.models.llama_plan`), cut
-        into pipeline stages, or each sequence split over context-parallel workers; pipeline or
-        context parallelism combined with its tensor-parallel plan is not proven yet."""
+        into pipeline stages, each sequence split over context-parallel workers, or its
+        tensor-parallel plan inside stages or context-parallel groups."""
         if self.model.kind != "llama":
             return self
         par, dims = self.parallelism, self.parallelism.dims
@@ -190,11 +190,6 @@ class RaylaneConfig(StrictModel):
             raise ValueError(
                 f"model.kind 'llama' trains with strategy 'ddp', 'fsdp', 'tp', 'pipeline' or "
                 f"'hybrid' (got '{par.strategy}')"
-            )
-        if dims.tp_enabled and (dims.pp_enabled or dims.cp_enabled):
-            raise ValueError(
-                f"model.kind 'llama' splits by tensor parallelism (tp {par.tp}) or by pipeline "
-                f"stages / context parallelism, not both yet (got pp {par.pp}, cp {par.cp})"
             )
         if self.data.source == "sklearn-digits":
             raise ValueError(

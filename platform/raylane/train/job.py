@@ -88,7 +88,7 @@ def run_training(
         digest = dataset_digest(cfg.data.train_path, cfg.data.validation_path)
         base = base or resolve_run_base(cfg, tracking_uri, resume_run_id)
     with phases.phase("ray"):
-        connect_ray()
+        connect_ray(ship=cfg.model.factory_source())
     setup_start = time.time()
     mlflow.set_tracking_uri(tracking_uri)
     experiment = mlflow.set_experiment(cfg.experiment)
