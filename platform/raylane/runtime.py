@@ -40,8 +40,8 @@ def connect_ray(
     `ship` (a package directory or module file of the working directory, such as a custom
     model's factory) goes to every node of a running cluster as a Ray `py_modules` runtime
     env: Ray hands workers the driver's working directory as a path, which exists on other
-    nodes only with shared storage. Not needed by a local Ray, nor inside a `ray job submit`
-    job, whose working directory Ray ships.
+    nodes only with shared storage. Not sent to a local Ray, nor from inside a `ray job
+    submit` job (its `--working-dir`, when given, is what Ray ships).
     Ray 2.60 turns token authentication on for local clusters: a local start writes
     ~/.ray/auth_token, and clients of a `ray start` cluster need RAY_AUTH_MODE=token and that
     token (see docs/guides/clusters.md). Inside a `ray job submit` job, RAY_ADDRESS is set by

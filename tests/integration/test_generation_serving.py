@@ -15,13 +15,19 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import mlflow
+import numpy as np
 import openai
 import pytest
+import torch
 
 from raylane.config import load_config
+from raylane.config.loader import config_to_yaml
 from raylane.generation.engine import generate_without_cache
 from raylane.generation.loader import load_language_model
 from raylane.generation.sampling import SamplingParams
+from raylane.models import build_model
+from raylane.tracking.runs import CONFIG_ARTIFACT, log_trained_model
 
 from .conftest import REFERENCE, ROOT, free_port, lm_overrides
 
@@ -65,14 +71,6 @@ def generator(pipeline_run, workspace):
 def _register_random_draft(served_cfg, workspace):
     """Version 1 of DRAFT: the served model's architecture, freshly initialised (seeded),
     logged with its run's config as a training run logs them. Returns the model."""
-    import mlflow
-    import numpy as np
-    import torch
-
-    from raylane.config.loader import config_to_yaml
-    from raylane.models import build_model
-    from raylane.tracking.runs import CONFIG_ARTIFACT, log_trained_model
-
     tracking = served_cfg.tracking.model_copy(update={"registered_model": DRAFT})
     cfg = served_cfg.model_copy(update={"tracking": tracking})
     torch.manual_seed(DRAFT_SEED)
@@ -230,6 +228,10 @@ def test_status_shows_the_version_and_generation_settings_served(generator):
     console = Console(file=io.StringIO(), width=200)
     console.print(render_status(report))
     assert f"v{version} ({settings})" in console.file.getvalue()
+    for seed in range(4):  # sampled requests: some of a random draft's proposals accepted
+        generator[1].completions.create(
+            model="pylm", prompt="x = ", max_tokens=12, temperature=1.0, seed=seed
+        )
     stats = _stats(generator[0])
     assert stats["draft_model"] == f"{DRAFT} v1" and stats["speculate"] == SPECULATE
     # A random draft's proposals: some accepted (sampled ones, by chance), most rejected.
@@ -241,8 +243,6 @@ def test_sampled_tokens_follow_the_model_not_the_imperfect_draft(generator):
     proposal checked by the model (accepted with probability min(1, p/q), else drawn from the
     residual), so its frequencies must be the model's own distribution of that token, not the
     draft's. Compared as total variation distances over the ASCII bytes, the rest pooled."""
-    import torch
-
     url, client, model, *_, draft = generator
     prompt = list(PROMPT.encode())
 
@@ -263,10 +263,10 @@ def test_sampled_tokens_follow_the_model_not_the_imperfect_draft(generator):
     observed = torch.bincount(torch.tensor(seen), minlength=129).double() / len(seen)
 
     def second_token(lm) -> torch.Tensor:
-        """lm's distribution of the second byte, given a first ASCII byte; bytes >= 128
-        pooled in the last bin."""
+        """The second byte's distribution when the model draws the first (an ASCII byte) and
+        `lm` the second; bytes >= 128 pooled in the last bin."""
         with torch.no_grad():
-            first = torch.softmax(lm(torch.tensor([prompt]))[0, -1].double(), -1)[:128]
+            first = torch.softmax(model(torch.tensor([prompt]))[0, -1].double(), -1)[:128]
             rows = torch.tensor([prompt + [b] for b in range(128)])
             nxt = torch.softmax(lm(rows)[:, -1].double(), -1)
         joint = (first[:, None] * nxt).sum(0) / first.sum()
@@ -280,9 +280,9 @@ def test_sampled_tokens_follow_the_model_not_the_imperfect_draft(generator):
     # What sampling alone puts between len(seen) draws and their distribution: its 99.9th
     # percentile over 1,000 seeded simulations is the bound (the same engine in one process,
     # 2,000 samples of a random draft's proposals: at the simulations' median).
-    generator = torch.Generator().manual_seed(0)
+    rng = torch.Generator().manual_seed(0)
     simulated = sorted(
-        apart(torch.bincount(torch.multinomial(expected, len(seen), True, generator=generator),
+        apart(torch.bincount(torch.multinomial(expected, len(seen), True, generator=rng),
                              minlength=129).double() / len(seen), expected)
         for _ in range(1000)
     )  # fmt: skip

@@ -1,9 +1,10 @@
 """Model-splitting layouts through the product's own path (`run_training`: the loop's routing
 of rows to replicas and stages, the configured optimizer, MLflow): each trains what one worker
-trains on the same global batches; tensor-parallel and FSDP runs checkpoint sharded, resume to
-the uninterrupted result (as a context-parallel run does), record per-worker memory, and their
-assembled model is registered whole and loads as the inference endpoint loads it (a served
-pipeline model answers over HTTP in test_pipeline_jobs.py). The layouts with pipeline stages
+trains on the same global batches; tensor-parallel and FSDP runs checkpoint sharded, a 3D run
+resumes to the uninterrupted result (as a context-parallel run does, and an FSDP run
+re-sharded on fewer workers), runs record per-worker memory, and their assembled model is
+registered whole and loads as the inference endpoint loads it (a served pipeline model
+answers over HTTP in test_pipeline_jobs.py). The layouts with pipeline stages
 read their rows through Ray Data (`data.feed: ray_data`), the others from the object store
 (the memory feed): both feeds must hand every stage and replica its rows of the same batches.
 """
@@ -150,7 +151,7 @@ def test_3d_checkpoint_holds_each_stages_assembled_part_and_its_shards(layout_ru
     assert {"model-part000.pt", "model-part001.pt"} <= {p.name for p in checkpoint.iterdir()}
     assert outcome.model_version is not None  # the parts merged into one registered model
     # Sharded too: a file per worker holding shards no other wrote (dp replicas' copies once).
-    # Resuming from such a checkpoint is the tp-sp case below (the same DCP load per stage).
+    # Resuming from such a checkpoint: the 3D resume below.
     assert (checkpoint / "sharded" / ".metadata").is_file()
     # torch DCP's file system writer: one file per rank (`__<rank>_0.distcp`), each with shards
     # no other rank wrote (a tensor the dp replicas share goes to one of them).

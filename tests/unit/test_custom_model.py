@@ -12,11 +12,13 @@ import uuid
 from pathlib import Path
 
 import pytest
+import ray
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 import raylane.parallel.parallelize as parallelize
+from raylane import runtime
 from raylane.config import ConfigError
 from raylane.config.loader import validate_config
 from raylane.models import build_model
@@ -367,15 +369,43 @@ def test_a_working_directory_factory_is_shipped_to_a_running_clusters_nodes(
 ):
     """What `connect_ray` sends as `py_modules` to a cluster's nodes: the factory's module
     file (or top-level package directory) from the working directory; nothing for an
-    installed package or another kind of model."""
+    installed package, a module outside the working directory or another kind of model."""
     cfg = _config({"factory": f"{user_module}:build", "args": {"width": 4}})
     assert cfg.model.factory_source() == (tmp_path / f"{user_module}.py").resolve()
-    package = tmp_path / "mine" / "models"
-    package.mkdir(parents=True)
-    (package / "net.py").write_text(USER_MODULE)
-    cfg = _config({"factory": "mine.models.net:build", "args": {"width": 4}})
-    assert cfg.model.factory_source() == (tmp_path / "mine").resolve()
+    top = f"pkg_{uuid.uuid4().hex[:8]}"  # a namespace package (no __init__.py), two deep
+    (tmp_path / top / "models").mkdir(parents=True)
+    (tmp_path / top / "models" / "net.py").write_text(USER_MODULE)
+    cfg = _config({"factory": f"{top}.models.net:build", "args": {"width": 4}})
+    assert cfg.model.factory_source() == (tmp_path / top).resolve()
     installed = _config({"factory": "torch.nn:Linear", "args": {"in_features": 2,
                                                                  "out_features": 2}})  # fmt: skip
     assert installed.model.factory_source() is None
+    elsewhere = tmp_path / "work"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)  # the module is still imported, from outside this directory
+    assert cfg.model.factory_source() is None
     assert validate_config({"experiment": "t"}).model.factory_source() is None
+
+
+@pytest.mark.parametrize(
+    ("address", "in_job", "shipped"),
+    [("127.0.0.1:6379", False, True), ("127.0.0.1:6379", True, False), (None, False, False)],
+)
+def test_connect_ray_ships_only_to_a_running_cluster_outside_a_submitted_job(
+    monkeypatch, tmp_path, address, in_job, shipped
+):
+    calls = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs) or _Context())
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    if in_job:
+        monkeypatch.setenv(runtime.JOB_CONFIG_ENV, "{}")
+    else:
+        monkeypatch.delenv(runtime.JOB_CONFIG_ENV, raising=False)
+    runtime.connect_ray(address, ship=tmp_path)
+    expected = {"py_modules": [str(tmp_path)]} if shipped else None
+    assert calls[0]["runtime_env"] == expected
+
+
+class _Context:
+    address_info = {"session_dir": "/tmp/ray/session_latest"}

@@ -238,6 +238,8 @@ def test_llama_layouts_and_those_refused():
     assert _run_config(
         strategy="pipeline", pp=2, tp=2, workers=4, microbatches=2
     ).parallelism.dims.tp_enabled
+    with pytest.raises(ValidationError, match="without sequence_parallel and without sharded"):
+        _run_config(strategy="tp", tp=2, cp=2, workers=4, sequence_parallel=True)
     tied = {"kind": "llama", "num_classes": 256, "input_dim": 32, "tie_embeddings": True}
     with pytest.raises(ValidationError, match="a llama whose head is its embedding"):
         RaylaneConfig.model_validate({

@@ -203,6 +203,8 @@ def _check_bf16(rank: int, overrides: list[str], halves: bool) -> dict:
     rows = slice(rank * ROWS // 2, (rank + 1) * ROWS // 2) if halves else slice(None)
     mine = strategy.local_batch(inputs[rows], targets[rows])
     loss = strategy.train_step(model, optimizer, cross_entropy, *mine)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        own_loss = cross_entropy(plain(inputs[rows]).float(), targets[rows]).item()
     initial = {n: p.detach().clone() for n, p in plain.named_parameters()}
     expected_loss, _ = _plain_step(plain, inputs, targets, bf16=True)
     expected = {n: p.detach() for n, p in plain.named_parameters()}
@@ -212,6 +214,7 @@ def _check_bf16(rank: int, overrides: list[str], halves: bool) -> dict:
         "has_head": head is not None,
         "loss": loss.item() if strategy.reports_loss and loss is not None else None,
         "expected_loss": expected_loss,
+        "own_expected_loss": own_loss,  # the plain model's on this worker's rows
         "param_error": _max_error(params, expected),
         "moved": _max_error(expected, initial),
     }
@@ -272,6 +275,10 @@ def test_bf16_layout_is_within_bf16_rounding_of_the_plain_model(results, name):
                 dtypes = dtypes[1:]
             assert dtypes == [torch.bfloat16] * (2 if name == "pp2" else 1), found["head_dtypes"]
         assert found["param_error"] <= BF16_TOLERANCE["param_atol"] < found["moved"] / 10
+    if BF16_LAYOUTS[name][1]:  # each replica's loss is the plain model's on its own rows
+        for found in (r[name] for r in results):
+            rel = BF16_TOLERANCE["loss_rel"]
+            assert found["loss"] == pytest.approx(found["own_expected_loss"], rel=rel), found
     # Equal parts of the whole batch (rows, micro-batches, sequence chunks): their mean loss is
     # the plain model's on the whole batch.
     expected = results[0][name]["expected_loss"]

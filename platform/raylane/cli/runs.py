@@ -10,7 +10,7 @@ from rich.table import Table
 
 from raylane.cli.common import TrackingUriOption, VerboseOption, console, fail, setup_logging
 from raylane.cli.lazy import deferred
-from raylane.cli.running import on_ray
+from raylane.cli.running import on_ray, user_mistakes
 from raylane.cli.store import SHORT_ID, find_run, open_store
 from raylane.tracking import resolve_tracking_uri
 
@@ -80,7 +80,9 @@ def reproduce(
     uri = resolve_tracking_uri(tracking_uri)
     client = open_store(uri)
     run_id = find_run(client, uri, run_id).info.run_id
-    with on_ray(reproduction.DriftError):
+    with user_mistakes():  # a custom model's factory goes to a running cluster's nodes
+        ship = reproduction.recorded_config(client, run_id).model.factory_source()
+    with on_ray(reproduction.DriftError, ship=ship):
         result = reproduction.reproduce(client, run_id, allow_drift=allow_drift, show=console.print)
     console.print(
         f"{result.verdict}{': ' + result.detail if result.detail else ''} "

@@ -7,7 +7,6 @@ from __future__ import annotations
 import difflib
 import hashlib
 import importlib
-import importlib.util
 import json
 import math
 import os
@@ -185,23 +184,24 @@ class ModelConfig(StrictModel):
         return tags
 
     def factory_source(self) -> Path | None:
-        """custom: the directory of the factory's top-level package (or its module file) when
-        it comes from the working directory, not an installed package: what the workers on
-        other nodes need shipped (`raylane.runtime.connect_ray`). None otherwise."""
+        """custom: what the workers on other nodes need shipped (`raylane.runtime.
+        connect_ray`) when the factory comes from the working directory: its top-level
+        package's directory, or its module's `.py` file. None otherwise (another kind, an
+        installed package or anything outside the working directory, a compiled module)."""
         if self.kind != "custom" or self.factory is None:
             return None
-        top = self.factory.partition(":")[0].split(".")[0]
-        spec = importlib.util.find_spec(top)
-        if spec is None:
+        name = self.factory.partition(":")[0]
+        if name not in sys.modules:
+            import_factory(self.factory)  # from the working directory, as validation imports it
+        path = Path(getattr(sys.modules[name], "__file__", None) or "")
+        if path.name == "":
             return None
-        if spec.submodule_search_locations:  # a package, or a namespace package's directory
-            path = Path(next(iter(spec.submodule_search_locations)))
-        elif spec.origin:
-            path = Path(spec.origin)
-        else:
+        path = path.resolve()
+        depth = name.count(".") + (path.name == "__init__.py")
+        top = path.parents[depth - 1] if depth else path  # the top-level package, or the file
+        if top.is_file() and top.suffix != ".py":
             return None
-        installed = {"site-packages", "dist-packages"}
-        return None if installed & set(path.resolve().parts) else path.resolve()
+        return top if top.is_relative_to(Path.cwd().resolve()) else None
 
     def pretrained_config(self) -> dict:
         """The `pretrained` checkpoint's config.json (a few hundred bytes)."""

@@ -182,7 +182,8 @@ class RaylaneConfig(StrictModel):
         """A llama trains where its workers agree in lockstep (all-reduce or sharding): whole
         blocks per worker, split by its tensor-parallel plan (`raylane.models.llama_plan`), cut
         into pipeline stages, each sequence split over context-parallel workers, or its
-        tensor-parallel plan inside stages or context-parallel groups."""
+        tensor-parallel plan inside stages or context-parallel groups (not yet with sequence
+        parallelism there, nor with sharded stages: not proven)."""
         if self.model.kind != "llama":
             return self
         par, dims = self.parallelism, self.parallelism.dims
@@ -190,6 +191,13 @@ class RaylaneConfig(StrictModel):
             raise ValueError(
                 f"model.kind 'llama' trains with strategy 'ddp', 'fsdp', 'tp', 'pipeline' or "
                 f"'hybrid' (got '{par.strategy}')"
+            )
+        split = dims.tp_enabled and (dims.pp_enabled or dims.cp_enabled)
+        if split and (par.sequence_parallel or dims.dp_shard > 1):
+            raise ValueError(
+                f"model.kind 'llama' takes tp {par.tp} inside pipeline stages or context-"
+                "parallel groups without sequence_parallel and without sharded stages (fsdp): "
+                "not proven yet"
             )
         if self.data.source == "sklearn-digits":
             raise ValueError(

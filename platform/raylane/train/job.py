@@ -135,9 +135,10 @@ def _fit_and_record(
     register: bool,
 ):
     """The job inside its MLflow run: fit while the run's context is recorded on a thread;
-    then keep the workers' output, draw the step split figure and record the model (logged
-    and registered unless `register` is off). `setup_start` is when the run's setup began.
-    (result, numeric final metrics, what `record_model` returned)."""
+    then send what an outage held back, keep the workers' output, draw the step split figure
+    and record the model (logged and registered unless `register` is off). `setup_start` is
+    when the run's setup began. (result, numeric final metrics, what `record_model`
+    returned)."""
     uri, resumed = context.tracking_uri, context.resume_run_id is not None
     with ThreadPoolExecutor(2, "raylane-run") as background:
         recorder = _recorder(cfg, run_name, uri, run_id, resumed)
@@ -149,24 +150,25 @@ def _fit_and_record(
         phases.add("run_setup", fit_start - setup_start)
         try:
             result, metrics = _fit_run(cfg, trainer, recorder, register)
-        finally:
-            # Each rank's console output, read from Ray's log files while the model is logged
-            # (not after an outage stopped the fit: the server would not take them, and
-            # MLflow's retries would hold the one-line stop for minutes).
-            logs = None
-            if recorder.error is None:
-                logs = background.submit(keep_run_worker_logs, uri, run_id, recorder.placement)
+        except TrackingError:
+            raise  # the server is away: nothing more is sent to it (MLflow would retry)
+        except BaseException:
+            # Each rank's console output, read from Ray's log files: how the fit failed.
+            background.submit(keep_run_worker_logs, uri, run_id, recorder.placement)
+            raise
         context.recorded(recording, run_id)
         fit_end = time.time()
         if result.checkpoint is None:
             raise RuntimeError(f"run {run_name} ended without a checkpoint")
         phases.split_fit(fit_start, fit_end, marks_from_metrics(result.metrics))
+        # Metrics an outage held back, if any: the server is back, or the run stops here
+        # (before the model and the logs wait on it with MLflow's retries).
+        _outage_stops(recorder.close)
+        logs = background.submit(keep_run_worker_logs, uri, run_id, recorder.placement)
         drawn = background.submit(recorder.draw)  # the last epochs' step split figure
         registered = record_model(cfg, result.checkpoint, metrics, register)
-        if logs is not None:
-            logs.result()
+        logs.result()
         drawn.result()
-        _outage_stops(recorder.close)  # metrics an outage held back, if any
         phases.add("model", time.time() - fit_end)
         mlflow.log_metrics(phases.metrics())
     return result, metrics, registered
