@@ -8,6 +8,7 @@ import json
 
 import numpy as np
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 import pytest
 
 from raylane.data import DataError, ensure_dataset
@@ -15,17 +16,30 @@ from raylane.data.chat import DEFAULT_CHAT_TEMPLATE, ChatTemplate
 from raylane.data.files import find_sources
 from raylane.data.parquet import parquet_files, read_rows
 from raylane.data.shards import SPLITS, pack_unit, plan_units
+from raylane.data.streaming import WINDOW_ROW_BYTES
 from raylane.data.tokenizer import BYTES
 from tests.unit.test_user_data import _cfg, _corpus
 
 pytestmark = pytest.mark.integration
 
 
-def test_streamed_preparation_matches_its_units_packed_without_ray(ray_cluster, tmp_path):
+def test_streamed_preparation_matches_its_units_packed_without_ray(
+    ray_cluster, tmp_path, monkeypatch
+):
     _corpus(tmp_path, rows=200)
     cfg = _cfg(tmp_path, "data.feed=ray_data")
     sources = find_sources(cfg)
+    # Row groups of 16 windows: a reader decodes that much at a time, whatever a unit holds.
+    monkeypatch.setattr(
+        "raylane.data.streaming.ROW_GROUP_BYTES", 16 * cfg.model.input_dim * WINDOW_ROW_BYTES
+    )
     train, validation = ensure_dataset(cfg)
+    groups = [
+        pq.ParquetFile(f).metadata.row_group(i).num_rows
+        for f in parquet_files(cfg.data.train_path)
+        for i in range(pq.ParquetFile(f).metadata.num_row_groups)
+    ]
+    assert max(groups) <= 16 < train.rows and sum(groups) == train.rows, groups
     manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
     assert manifest["fingerprint"] == sources.fingerprint
     assert manifest["windows"] == {"train": train.rows, "validation": validation.rows}

@@ -102,9 +102,10 @@ def test_stragglers_take_turns_and_a_transient_one_stops():
 def test_step_split_reports_means_and_the_unaccounted_share():
     times = StepTimes()
     times.add(0.010, 0.001, {"compute": 0.007, "comm": 0.001})
-    times.add(0.012, 0.001, {"compute": 0.008, "comm": 0.002})
+    times.add(0.012, 0.002, {"compute": 0.007, "comm": 0.002})
     metrics = step_metrics(times.as_list())
     assert metrics["step_ms"] == pytest.approx(11.0)
-    assert metrics["step_compute_ms"] == pytest.approx(7.5)
-    assert metrics["step_data_wait_ms"] == pytest.approx(1.0)
+    assert metrics["step_compute_ms"] == pytest.approx(7.0)
+    assert metrics["step_data_wait_ms"] == pytest.approx(1.5)
+    assert metrics["step_first_wait_ms"] == pytest.approx(0.5)  # the first step's 1 ms, per step
     assert metrics["step_split_error"] == pytest.approx(2 / 22)

@@ -308,6 +308,22 @@ def test_feature_columns_are_checked(tmp_path):
         _cfg(tmp_path, [table], **{"data.feature_columns": ["age", "age"]})
 
 
+def test_the_first_rows_of_a_split_of_several_files_and_row_groups(tmp_path):
+    split = tmp_path / "train.parquet"
+    split.mkdir()
+    for part in range(2):  # 2 files of 3 row groups of 2 rows: rows 6 * part + 0..5
+        rows = np.arange(6 * part, 6 * part + 6)
+        table = pa.table({"features": [[float(r)] * 4 for r in rows], "label": rows % 3})
+        pq.write_table(table, split / f"part-{part}.parquet", row_group_size=2)
+    cfg = _cfg(tmp_path, [tmp_path / "unused.csv"])
+    whole, labels = read_rows(split, cfg)
+    assert whole[:, 0].tolist() == list(range(12))
+    for limit in (1, 5, 7, 12, 20):
+        head, head_labels = read_rows(split, cfg, limit=limit)
+        np.testing.assert_array_equal(head, whole[:limit])
+        np.testing.assert_array_equal(head_labels, labels[:limit])
+
+
 def test_ensure_dataset_prepares_a_csv_for_the_digits_config(tmp_path):
     source = _source()
     path = _write(tmp_path / "people.csv", source)

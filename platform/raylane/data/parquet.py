@@ -22,7 +22,7 @@ from raylane.data.streaming import prepare_streaming
 from raylane.data.text import prepare_stdlib_text
 
 #: Rows per record batch `check_parquet` reads at once.
-CHECK_BATCH_ROWS = 8192
+CHECK_BATCH_ROWS = 1024
 
 
 @dataclass(frozen=True)
@@ -59,13 +59,23 @@ def read_rows(
     """The first `limit` rows (all when None): features `[N, F]` (float32, or int64 tokens) and
     int64 labels `[N]` (or `[N, T]` for sequence targets)."""
     columns = [cfg.data.features_column, cfg.data.label_column]
-    table = pq.read_table(parquet_files(Path(path)), columns=columns)
-    if limit is not None:
-        table = table.slice(0, limit)
+    files = parquet_files(Path(path))
+    table = pq.read_table(files, columns=columns) if limit is None else _head(files, columns, limit)
     features = as_matrix(table.column(0).to_numpy(zero_copy_only=False))
     labels = table.column(1).to_numpy(zero_copy_only=False)
     labels = as_matrix(labels) if labels.dtype == object else labels
     return features, labels.astype(np.int64)
+
+
+def _head(files: list[Path], columns: list[str], limit: int) -> pa.Table:
+    """The first `limit` rows, reading no more record batches than they need."""
+    batches = []
+    for file in files:
+        for batch in pq.ParquetFile(file).iter_batches(batch_size=limit, columns=columns):
+            batches.append(batch)
+            if sum(b.num_rows for b in batches) >= limit:
+                return pa.Table.from_batches(batches).slice(0, limit)
+    return pq.read_table(files, columns=columns)  # fewer rows than `limit`: all of them
 
 
 def as_matrix(column: np.ndarray) -> np.ndarray:
@@ -137,7 +147,12 @@ def _column_batches(path: Path, files: list[Path], cfg: RaylaneConfig) -> Iterat
                 raise DataError(
                     f"{path}: column {missing[0]!r} not found (columns: {', '.join(names)})"
                 )
-            for batch in reader.iter_batches(batch_size=CHECK_BATCH_ROWS, columns=columns):
+            # One thread: Arrow's decoding threads each keep tens of MB of this process's
+            # memory after the check, for a pass that is bounded by reading, not decoding.
+            batches = reader.iter_batches(
+                batch_size=CHECK_BATCH_ROWS, columns=columns, use_threads=False
+            )
+            for batch in batches:
                 yield pa.Table.from_batches([batch])
         except (pa.ArrowInvalid, OSError) as exc:
             raise DataError(f"{path}: unreadable Parquet ({exc})") from None

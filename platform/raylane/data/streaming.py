@@ -52,6 +52,11 @@ from raylane.data.shards import (
 from raylane.data.text import MANIFEST
 from raylane.data.tokenizer import BYTES, Tokenizer, check_vocabulary, load_tokenizer, train_bpe
 
+#: Decoded bytes of one Parquet row group the streamed preparation writes, and of one window
+#: per token (int64 features and labels).
+ROW_GROUP_BYTES = 8 << 20
+WINDOW_ROW_BYTES = 16
+
 
 def prepare_streaming(cfg: RaylaneConfig, sources: Sources) -> tuple[int, int]:
     """Prepare text and JSONL files with Ray Data (see the module), in units of
@@ -210,8 +215,11 @@ def _write_windows(
         "figures": figures,
     }
     packed = rows.map_batches(_pack_units, batch_size=1, fn_kwargs=kwargs)
+    # Row groups of about ROW_GROUP_BYTES: a reader (the driver's check, Ray Data's read
+    # tasks) holds one decoded row group at a time, not a unit's tens of MB.
+    group_rows = max(1, ROW_GROUP_BYTES // (cfg.model.input_dim * WINDOW_ROW_BYTES))
     with _bad_rows_raised(figures):
-        packed.write_parquet(str(staging), partition_cols=["split"])
+        packed.write_parquet(str(staging), partition_cols=["split"], row_group_size=group_rows)
     return ray.get(figures.in_order.remote())
 
 
