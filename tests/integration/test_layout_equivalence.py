@@ -48,6 +48,8 @@ LAYOUTS = {
     "tp2-dp2": {"strategy": "tp", "tp": 2, "dp": 2},
     "fsdp2": {"strategy": "fsdp", "tp": 1, "dp": 2},
     "fsdp2-tp2": {"strategy": "fsdp", "tp": 2, "dp": 2},
+    # HSDP: 2 replicas of the model sharded over 2 workers each (FSDP2 on a 2-D mesh).
+    "hsdp2x2": {"strategy": "fsdp", "dp_shard": 2, "dp": 4},
     # Every step of `parallelize` in its order: tensor parallel, checkpointing, FSDP.
     "fsdp2-tp2-ac": {"strategy": "fsdp", "tp": 2, "dp": 2, "activation_checkpointing": True},
     "3d-dp2-pp2-tp2": {"strategy": "hybrid", "schedule": "1f1b", "pp": 2, "dp": 2, "tp": 2},
@@ -284,11 +286,15 @@ def _layout_worker(config, batches):
     sent_ratio = strategy.epoch_stats()["comm_bytes_ratio"] if compressed else None
     # Sharded parameters assembled (collective); a pipeline stage's are its own.
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    # The mesh FSDP sharded the parameters over (None: not sharded).
+    sharded = [p for p in model.parameters() if hasattr(p, "device_mesh")]
+    mesh = tuple(sharded[0].device_mesh.shape) if sharded else None
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(
         gathered,
         {
             "dp_rank": replica,
+            "mesh": mesh,
             "sent_ratio": sent_ratio,
             "losses": losses if strategy.reports_loss else [],
             # Plain arrays: Ray Train refuses tensors in a training function's return value.
@@ -372,6 +378,10 @@ def test_layout_training_equals_single_process(layout_records, name):
 
     if cfg.parallelism.grad_compression == "fp16":
         assert {record["sent_ratio"] for record in records} == {0.5}
+    if name == "hsdp2x2":  # replicated over the first dimension, sharded over the second
+        assert {record["mesh"] for record in records} == {(2, 2)}
+    elif name == "fsdp2":
+        assert {record["mesh"] for record in records} == {(2,)}
 
     merged = {}
     for record in records:

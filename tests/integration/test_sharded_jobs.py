@@ -47,6 +47,8 @@ LAYOUTS = {
         "parallelism.sequence_parallel=true",
     ],
     "fsdp": ["parallelism.strategy=fsdp", "parallelism.pp=1", "parallelism.dp=2"],
+    # HSDP: 2 replicas of the model, each sharded over 2 workers (given by its degrees).
+    "hsdp": ["parallelism.strategy=fsdp", "parallelism.pp=1", "parallelism.dp_shard=2"],
     "fsdp-tp": [
         "parallelism.strategy=fsdp",
         "parallelism.pp=1",
@@ -76,7 +78,7 @@ LAYOUTS["pp-fsdp"] = [
 # the plain model rank 0 writes.
 LAYOUTS["cp"] = ["parallelism.strategy=ddp", "parallelism.pp=1", "parallelism.dp=1",
                  "parallelism.cp=2"]  # fmt: skip
-WORKERS = {"tp-sp": 2, "fsdp": 2, "fsdp-tp": 4, "3d": 8, "pp-fsdp": 4, "cp": 2}
+WORKERS = {"tp-sp": 2, "fsdp": 2, "hsdp": 4, "fsdp-tp": 4, "3d": 8, "pp-fsdp": 4, "cp": 2}
 
 
 def _config(workspace, *extra: str):
@@ -159,9 +161,21 @@ def test_3d_checkpoint_holds_each_stages_assembled_part_and_its_shards(layout_ru
     assert files == sorted(f"__{rank}_0.distcp" for rank in range(WORKERS["3d"]))
 
 
+def test_an_hsdp_run_records_its_layout_and_checkpoints_every_rank(layout_runs, workspace):
+    cfg, outcome = layout_runs("hsdp")
+    assert (cfg.parallelism.dims.dp_replicate, cfg.parallelism.dims.dp_shard) == (2, 2)
+    params = MlflowClient(tracking_uri=workspace.tracking_uri).get_run(outcome.run_id).data.params
+    assert (params["layout.dp_replicate"], params["layout.dp_shard"]) == ("2", "2")
+    # torch DCP: one file per rank; a shard the two replicas share is written once.
+    sharded = Path(outcome.checkpoint_path) / "sharded"
+    assert sorted(p.name for p in sharded.glob("*.distcp")) == [
+        f"__{rank}_0.distcp" for rank in range(WORKERS["hsdp"])
+    ]
+
+
 def test_sharded_layouts_record_what_each_worker_holds(layout_runs, one_worker):
     # `one_worker` first: the session's first run also prepares the data.
-    metrics = {name: layout_runs(name)[1].metrics for name in ("tp-sp", "fsdp")}
+    metrics = {name: layout_runs(name)[1].metrics for name in ("tp-sp", "fsdp", "hsdp")}
     for name, found in metrics.items():
         for part in ("param", "grad", "optimizer_state", "activation_peak"):
             assert found[f"worker_{part}_mb"] > 0, (name, part)
@@ -174,6 +188,10 @@ def test_sharded_layouts_record_what_each_worker_holds(layout_runs, one_worker):
     params = _parameter_shapes()
     whole_mb = sum(math.prod(shape) for shape in params.values()) * 4 / 2**20
     assert fsdp["worker_param_mb"] == pytest.approx(whole_mb / 2, rel=1e-9)
+    # HSDP of 2 replicas x 2 shards: each worker holds half, as in FSDP over 2.
+    hsdp = metrics["hsdp"]
+    assert hsdp["worker_param_mb"] == pytest.approx(whole_mb / 2, rel=1e-9)
+    assert hsdp["worker_optimizer_state_mb"] == pytest.approx(fsdp["worker_optimizer_state_mb"])
     # Tensor parallel with sequence parallelism (`raylane.models.gpt_plan`): q, k, v and the
     # MLP's first linear column-wise (weight and bias), the attention output and the MLP's
     # second linear row-wise (weight; the bias replicated) and the head over the vocabulary

@@ -88,8 +88,15 @@ def test_a_layout_given_by_its_degrees_is_the_named_one(config, named, degrees):
         (["parallelism.strategy=ddp", "parallelism.dp_shard=2"],
          "strategy 'ddp' is not the layout its degrees make (dp_shard 2 (2 workers): gradients "
          "reduce-scattered: 'fsdp'); give one or the other"),
-        (["parallelism.dp_shard=2", "parallelism.workers=4"],
-         "dp 2 replicas of dp_shard 2 shards (HSDP) is not available yet"),
+        (["parallelism.dp_shard=2", "parallelism.workers=8", "parallelism.tp=2"],
+         "dp 2 replicas of dp_shard 2 shards (HSDP) with pipeline stages, tensor or context "
+         "parallelism is not available yet"),
+        (["parallelism.dp_shard=2", "parallelism.workers=4",
+          "parallelism.sync={kind: all_reduce, compression: fp16}"],
+         "synchronises by FSDP2's own reduce-scatter and all-reduce: sync all_reduce with "
+         "compression fp16 is not available with it"),
+        (["parallelism.dp_shard=2", "parallelism.workers={min: 2, max: 4}"],
+         "(HSDP) runs at a fixed size: give workers as one number"),
         (["parallelism.dp_shard=3"], "workers (2) is not divisible by dp_shard * pp * tp * cp (3)"),
         (["parallelism.sync={kind: gossip}"], "parallelism.sync.kind: Input should be"),
     ],
@@ -97,6 +104,24 @@ def test_a_layout_given_by_its_degrees_is_the_named_one(config, named, degrees):
 def test_degrees_that_make_no_layout_or_another_name_are_refused(overrides, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         load_config(REFERENCE, overrides)
+
+
+def test_hsdp_is_replicas_of_a_sharded_model_given_by_its_degrees():
+    hsdp = ["parallelism.strategy=fsdp", "parallelism.dp_shard=2", "parallelism.workers=4"]
+    cfg = load_config(REFERENCE, hsdp)
+    dims = cfg.parallelism.dims
+    assert (dims.dp_replicate, dims.dp_shard, dims.world_size) == (2, 2, 4)
+    assert cfg.parallelism.strategy == "fsdp" and cfg.parallelism.dp == 4
+    assert dims.describe() == (
+        "dp 2 x dp_shard 2 (4 workers): gradients reduce-scattered, shards all-reduced over "
+        "the replicas"
+    )
+    # Rank r trains on part r of each global batch: replicas in the outer dimension.
+    assert [dims.data_rank(rank) for rank in range(4)] == [0, 1, 2, 3]
+    assert [dims.coordinates(rank)["dp_replicate"] for rank in range(4)] == [0, 0, 1, 1]
+    # Plain FSDP over all the workers is still the strategy's own layout.
+    whole = load_config(REFERENCE, ["parallelism.strategy=fsdp", "parallelism.workers=4"])
+    assert (whole.parallelism.dims.dp_replicate, whole.parallelism.dims.dp_shard) == (1, 4)
 
 
 def test_coordinates_are_the_meshs_row_major_order():

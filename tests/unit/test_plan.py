@@ -9,10 +9,11 @@ import sys
 import pytest
 
 from raylane.config import load_config
-from raylane.plan.cost import Layout, Workload, predict
+from raylane.config.dims import ParallelDims
+from raylane.plan.cost import Layout, Workload, _dp_sync_s, _ring_s, predict
 from raylane.plan.hardware import Cluster, ClusterSpec, catalog_cluster, load_cluster
 from raylane.plan.memory import GPTShape
-from raylane.plan.search import plan, workload_for
+from raylane.plan.search import config_overrides, layouts, plan, workload_for
 
 from .test_config import ROOT
 
@@ -60,6 +61,44 @@ def test_the_parts_respond_to_the_layout_as_they_should():
     checkpointed = predict(work, Layout.of("ddp", dp=32, activation_checkpointing=True), cluster)
     assert checkpointed.activation_bytes < ddp.activation_bytes
     assert checkpointed.parts["compute"] > ddp.parts["compute"]  # the recomputed forward
+
+
+def test_hsdp_shards_within_a_node_and_all_reduces_a_shard_across_nodes():
+    cfg = load_config(GPT_1P3B)
+    work = workload_for(cfg, 512, "bf16")
+    cluster = _a100_cluster(nodes=4)  # 8 devices a node
+    hsdp = Layout(ParallelDims(dp_shard=8, dp_replicate=4))
+    fsdp32 = predict(work, Layout.of("fsdp", dp=32), cluster)
+    fsdp8 = predict(work, Layout.of("fsdp", dp=8), cluster)
+    predicted = predict(work, hsdp, cluster)
+    # Memory: sharded over the 8 shards, as FSDP over 8.
+    assert predicted.state.total == pytest.approx(fsdp8.state.total)
+    assert predicted.state.total == pytest.approx(4 * fsdp32.state.total)
+    # Communication: FSDP's 3 passes over one node's links, then 1/8 of the bytes all-reduced
+    # over the 4 nodes, against 3 passes of all the bytes over the nodes' links for FSDP 32.
+    params = work.shape.params_per_device(tp=1, pp=1, stage=0)
+    device, latency = cluster.device, cluster.spec.link_latency_us * 1e-6
+    nbytes = params * work.value_bytes
+    expected = _ring_s(nbytes, 8, device.intra_node_gbps, latency, 3.0) + _ring_s(
+        nbytes / 8, 4, device.inter_node_gbps, latency, 2.0
+    )
+    spec = cluster.spec
+    links = (device.intra_node_gbps, device.inter_node_gbps)
+    assert _dp_sync_s(nbytes, hsdp, spec.devices_per_node, *links, latency) == pytest.approx(
+        expected
+    )
+    window = predicted.parts["compute"] * 2 / 3  # overlapped with backward, as FSDP's
+    assert predicted.parts["dp_comm"] == pytest.approx(max(expected - window, 0.0))
+    assert expected < _ring_s(nbytes, 32, device.inter_node_gbps, latency, 3.0) / 2
+
+    # The planner enumerates it, and the config it writes for it is the same layout again.
+    planned = [lay for lay in layouts(work, 32, 8) if lay.dims.dp_replicate > 1]
+    assert {
+        (lay.dims.dp_replicate, lay.dims.dp_shard) for lay in planned if lay.dims.fsdp_enabled
+    } == {(16, 2), (8, 4), (4, 8), (2, 16)}
+    written = load_config(GPT_1P3B, config_overrides(predicted, work))
+    assert written.parallelism.dims == hsdp.dims
+    assert hsdp.describe() == "fsdp dp4x8"
 
 
 def test_plan_ranks_only_layouts_that_fit_and_says_why_others_do_not():

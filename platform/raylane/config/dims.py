@@ -99,6 +99,10 @@ class ParallelDims:
         else:
             sync = Sync(compression=par.grad_compression)
         dims = cls.preset(par.strategy, dp=dp, pp=par.pp, tp=par.tp, sync=sync)
+        if par.dp_shard is not None and dims.dp_shard > par.dp_shard > 1:
+            # HSDP: the sharding workers split into replicas of `dp_shard` shards each.
+            replicas = dims.dp_shard // par.dp_shard
+            dims = replace(dims, dp_replicate=replicas, dp_shard=par.dp_shard)
         return replace(dims, cp=par.cp, sequence_parallel=par.sequence_parallel)
 
     @classmethod
@@ -130,7 +134,9 @@ class ParallelDims:
     ) -> list[ParallelDims]:
         """Every layout of exactly `devices` workers with tp in `tps`, pp in `pps` and cp in
         `cps`: for each (pp, tp) that divides the devices, the data-parallel workers
-        replicated, and (with more than one) sharded instead; each sequence split over cp > 1
+        replicated, and (with more than one) sharded instead, and without stages or tensor
+        parallelism as replicas of the model sharded over a divisor of them (HSDP); each
+        sequence split over cp > 1
         workers only where context parallelism runs, on replicas without pipeline stages.
         Whether the sequence divides into 2 * cp chunks is the caller's to check. The planner
         and Tune enumerate these."""
@@ -143,6 +149,12 @@ class ParallelDims:
                 found.append(cls(dp_replicate=dp, pp=pp, tp=tp))
                 if dp > 1:
                     found.append(cls(dp_shard=dp, pp=pp, tp=tp))
+                if pp == tp == 1:  # HSDP: replicas of the model sharded over `shard` workers
+                    found += [
+                        cls(dp_replicate=dp // shard, dp_shard=shard)
+                        for shard in range(2, dp)
+                        if dp % shard == 0
+                    ]
                 if pp == 1:
                     found += [
                         cls(dp_replicate=dp // cp, tp=tp, cp=cp)
@@ -212,6 +224,8 @@ class ParallelDims:
             )
         workers = self.world_size
         line = f"{' x '.join(parts)} ({workers} workers)" if parts else "1 worker"
+        if self.dp_shard > 1 and self.dp_replicate > 1:  # HSDP
+            return f"{line}: gradients reduce-scattered, shards all-reduced over the replicas"
         if self.dp_shard > 1:  # FSDP: each worker ends a step with its shard of the gradients
             return f"{line}: gradients reduce-scattered"
         return f"{line}: {self.sync.describe()}" if self.dp > 1 else line

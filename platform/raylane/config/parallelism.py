@@ -146,7 +146,9 @@ class ParallelismConfig(StrictModel):
         ge=1,
         description="A layout by its degrees: data-parallel workers that shard parameters, "
         "gradients and optimizer state (FSDP2; with `pp` each stage's). Given with `sync` "
-        "or instead of `strategy`, the strategy is the one the degrees make.",
+        "or instead of `strategy`, the strategy is the one the degrees make. Below "
+        "workers / (pp * tp * cp), the rest are replicas of the sharded model (HSDP; "
+        "pp = tp = cp = 1).",
     )
     sync: SyncConfig | None = Field(
         None,
@@ -277,6 +279,24 @@ class ParallelismConfig(StrictModel):
         return self
 
 
+def _check_hsdp(replicas: int, shard: int, split: int, sync: SyncConfig, elastic: bool) -> None:
+    """HSDP (replicas of a sharded model: FSDP2 over a replicate x shard mesh) as far as it is
+    proven: on its own, synchronised by FSDP2's own all-reduce, at a fixed size."""
+    layout = f"dp {replicas} replicas of dp_shard {shard} shards (HSDP)"
+    if split > 1:
+        raise ValueError(
+            f"{layout} with pipeline stages, tensor or context parallelism is not available "
+            "yet: give dp_shard = workers / (pp * tp * cp), or pp = tp = cp = 1"
+        )
+    if sync.kind != "all_reduce" or sync.compression != "none":
+        raise ValueError(
+            f"{layout} synchronises by FSDP2's own reduce-scatter and all-reduce: sync "
+            f"{sync.kind} with compression {sync.compression} is not available with it"
+        )
+    if elastic:
+        raise ValueError(f"{layout} runs at a fixed size: give workers as one number")
+
+
 def resolve_degrees(data: dict) -> dict:
     """`strategy`, `dp` and the sync's fields for a `parallelism:` mapping given by degrees."""
     try:
@@ -300,10 +320,8 @@ def resolve_degrees(data: dict) -> dict:
             f"= {replicas * shard}"
         )
     if shard > 1 and replicas > 1:
-        raise ValueError(
-            f"dp {replicas} replicas of dp_shard {shard} shards (HSDP) is not available yet: "
-            "give dp_shard = workers / (pp * tp * cp), or dp_shard 1"
-        )
+        elastic = isinstance(data.get("workers"), dict) or data.get("min_workers") is not None
+        _check_hsdp(replicas, shard, pp * tp * cp, sync, elastic)
     dims = ParallelDims(
         dp_replicate=replicas, dp_shard=shard, pp=pp, tp=tp, cp=1 if pp > 1 else cp,
         sync=Sync(sync.kind, sync.compression, sync.period, sync.staleness, sync.shards),

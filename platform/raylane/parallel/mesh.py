@@ -77,7 +77,11 @@ class ParallelMesh:
 
     @property
     def shard_mesh(self) -> DeviceMesh:
-        """What FSDP shards parameters over."""
+        """What FSDP shards parameters over: `dp_shard`, or for HSDP the 2-D
+        `dp_replicate x dp_shard` mesh (FSDP2 shards over its second dimension and all-reduces
+        the gradient shards over its first)."""
+        if self.dims.dp_replicate > 1:
+            return self.mesh["dp_replicate", "dp_shard"]
         return self.mesh["dp_shard"]
 
     @property

@@ -1,13 +1,14 @@
 """Layouts that split the model on one mesh without pipeline stages: tensor parallel (strategy
-'tp'), FSDP2 (strategy 'fsdp'), and both (FSDP over tensor-parallel blocks, 2D: dp x tp).
+'tp'), FSDP2 (strategy 'fsdp'; HSDP with `dp_shard` below the data-parallel workers), and both
+(FSDP over tensor-parallel blocks, 2D: dp x tp).
 
 `parallelize` applies the layout to the plain model (the model's tensor-parallel plan, activation
 checkpointing, FSDP over the `dp_shard` workers); what is left to this strategy is how its
 data-parallel workers agree. Sharded workers need nothing more (FSDP reduce-scatters the
-gradients inside backward); replicas of a tensor-parallel model average their gradient shards
-before each optimizer step, optionally compressed (`parallelism.grad_compression` 'fp16' or
-'topk', the same compression DDP's hooks apply). The tp workers of one replica read the same
-batches and compute the same loss.
+gradients inside backward, and for HSDP all-reduces the shards over the replicas); replicas of
+a tensor-parallel model average their gradient shards before each optimizer step, optionally
+compressed (`parallelism.grad_compression` 'fp16' or 'topk', the same compression DDP's hooks
+apply). The tp workers of one replica read the same batches and compute the same loss.
 """
 
 from __future__ import annotations
@@ -56,7 +57,9 @@ class MeshParallel(StrategyDefaults):
         self.row_reporters = self.cp  # every cp worker reports its chunks' loss
         self.ring = self._ring_meter()
         self.ring_waited_s = 0.0
-        self.replicas = self.mesh.dims.dp_replicate * self.cp
+        # Replicas of a sharded model (HSDP) are FSDP2's to all-reduce, inside backward.
+        hand_averaged = 1 if self.mesh.dims.fsdp_enabled else self.mesh.dims.dp_replicate
+        self.replicas = hand_averaged * self.cp
         # Sequence parallelism runs the model's end on shards too: the head's logits are split
         # over the vocabulary and the loss is torch's `loss_parallel`.
         self.vocabulary_loss = self.mesh.dims.sequence_parallel

@@ -109,6 +109,8 @@ class Layout:
 
     def describe(self) -> str:
         parts = [self.strategy, f"dp{self.dp}"]
+        if self.dims.fsdp_enabled and self.dims.dp_replicate > 1:  # HSDP
+            parts = [self.strategy, f"dp{self.dims.dp_replicate}x{self.dims.dp_shard}"]
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("-sp" if self.dims.sequence_parallel else ""))
         if self.cp > 1:
@@ -191,7 +193,7 @@ def predict(
     step = sum(parts.values())
 
     per_param = MIXED_PRECISION_ADAM if work.precision == "bf16" else FP32_ADAM
-    state = sharded_state(params, layout.dp, layout.zero_stage, per_param)
+    state = sharded_state(params, layout.dims.dp_shard, layout.zero_stage, per_param)
     activations = _activation_bytes(work, layout, micro_rows)
     memory = state.total + activations
     fits = memory <= cluster.device.memory_gb * 1e9 * MEMORY_HEADROOM
@@ -247,9 +249,8 @@ def _comm_s(
 
     # Data parallel: this device's gradients (FSDP: reduce-scatter + 2 all-gathers).
     dp_link = inter if layout.workers > spec.devices_per_node else intra
-    passes = 3.0 if layout.zero_stage == 3 else 2.0
-    sync_ranks = layout.dp * layout.cp  # a sequence's cp workers average with the replicas
-    dp_total = _ring_s(params * work.value_bytes, sync_ranks, dp_link, latency, passes)
+    dp_total = _dp_sync_s(params * work.value_bytes, layout, spec.devices_per_node, intra,
+                          dp_link, latency)  # fmt: skip
     # Overlapped with backward where it runs per block as backward goes (DDP's buckets, FSDP's
     # reduce-scatters: in a pipeline, during the last micro-batch's backward); after it for
     # tensor-parallel, pipeline and context-parallel replicas, which average once backward
@@ -265,6 +266,23 @@ def _comm_s(
     if layout.pp > 1:
         pp_comm = 2 * layout.microbatches * (activation / (pp_link * 1e9) + latency)
     return {"tp_comm": tp_comm, "dp_comm": dp_comm, "pp_comm": pp_comm}
+
+
+def _dp_sync_s(
+    nbytes: float, layout: Layout, per_node: int, intra: float, link: float, latency: float
+) -> float:
+    """The data-parallel workers' synchronisation of `nbytes` of gradients (and, sharded, of
+    parameters): an all-reduce over the replicas (and a sequence's cp workers); FSDP's
+    reduce-scatter + 2 all-gathers over its shards; HSDP both, the all-reduce of one shard's
+    bytes over the replicas. A shard group's workers are `pp * cp * tp` ranks apart: one node
+    while `dp_shard` of those strides fit in it."""
+    dims = layout.dims
+    if not dims.fsdp_enabled:
+        return _ring_s(nbytes, dims.dp * dims.cp, link, latency, 2.0)
+    span = dims.dp_shard * dims.pp * dims.cp * dims.tp
+    shard_link = intra if span <= per_node else link
+    sharded = _ring_s(nbytes, dims.dp_shard, shard_link, latency, 3.0)
+    return sharded + _ring_s(nbytes / dims.dp_shard, dims.dp_replicate, link, latency, 2.0)
 
 
 def _ring_comm_s(

@@ -128,6 +128,13 @@ def plan_by_cost(
     return Plan(ranked, pruned, work, costs, terms)
 
 
+def _hsdp_override(dims: ParallelDims) -> list[str]:
+    """HSDP's shards, given by their degree: the data-parallel workers beyond them replicas."""
+    if dims.fsdp_enabled and dims.dp_replicate > 1:
+        return [f"parallelism.dp_shard={dims.dp_shard}"]
+    return []
+
+
 def config_overrides(
     prediction: Prediction, work: Workload, checkpoint_steps: int | None = None
 ) -> list[str]:
@@ -142,6 +149,7 @@ def config_overrides(
         f"parallelism.strategy={layout.strategy}",
         f"parallelism.workers={layout.workers}",
         f"parallelism.dp={layout.dp}",
+        *_hsdp_override(layout.dims),
         f"parallelism.tp={layout.tp}",
         f"parallelism.pp={layout.pp}",
         f"parallelism.cp={layout.cp}",
