@@ -201,11 +201,13 @@ def _job_trainer(cfg: RaylaneConfig, run_name, tracking_uri, run_id, recorder, b
         base_state=ray.put(base.state) if base is not None and base.state is not None else None,
     )
     trainer = build_trainer(cfg, read_datasets(cfg), run_name, link)
+    epochs = cfg.training.epochs
     log.info(
-        "training: %s, %s, %d epochs",
+        "training: %s, %s, %d epoch%s",
         cfg.parallelism.strategy,
         cfg.parallelism.dims.describe(),
-        cfg.training.epochs,
+        epochs,
+        "" if epochs == 1 else "s",
     )
     if cfg.training.precision == "bf16":  # as the driver sees it (other nodes may differ)
         log.info(bf16_speed(cfg.parallelism.use_gpu)[1])
