@@ -170,8 +170,8 @@ def train_child(corpus: Path, out: Path, object_store_mb: int) -> dict:
         "tokens_per_s": round(train.rows * CONTEXT / metrics["epoch_time_s"]),
         "step_ms": round(metrics["step_ms"], 2),
         "data_wait_fraction": round(wait, 4),
-        # Per worker: the per-step mean times the steps (the epoch over the mean step).
-        "first_batch_wait_s": round(first * metrics["epoch_time_s"] / metrics["step_ms"], 2),
+        # Per worker: the per-step mean times each worker's steps (one epoch: its global step).
+        "first_batch_wait_s": round(first * metrics["global_step"] / 1000, 2),
         "data_wait_fraction_after_first_batch": round(steady, 4),
         "driver_peak_rss_mb": round(_peak_rss_mb()),
         "worker_peak_rss_mb": round(metrics["peak_rss_mb"]),

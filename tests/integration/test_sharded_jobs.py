@@ -172,11 +172,15 @@ def test_an_hsdp_run_records_its_layout_and_checkpoints_every_rank(layout_runs, 
     assert (cfg.parallelism.dims.dp_replicate, cfg.parallelism.dims.dp_shard) == (2, 2)
     params = MlflowClient(tracking_uri=workspace.tracking_uri).get_run(outcome.run_id).data.params
     assert (params["layout.dp_replicate"], params["layout.dp_shard"]) == ("2", "2")
-    # torch DCP: one file per rank; a shard the two replicas share is written once.
+    # torch DCP: one file per rank, and a shard the two replicas share written once: the
+    # files hold one copy of the parameters and AdamW's two moments (fp32), not two.
     sharded = Path(outcome.checkpoint_path) / "sharded"
     assert sorted(p.name for p in sharded.glob("*.distcp")) == [
         f"__{rank}_0.distcp" for rank in range(WORKERS["hsdp"])
     ]
+    one_copy = 3 * 4 * sum(math.prod(shape) for shape in _parameter_shapes().values())
+    written = sum(p.stat().st_size for p in sharded.glob("*.distcp"))
+    assert one_copy <= written < 1.3 * one_copy, (written, one_copy)
 
 
 def test_sharded_layouts_record_what_each_worker_holds(layout_runs, one_worker):

@@ -136,10 +136,10 @@ class ParallelDims:
         `cps`: for each (pp, tp) that divides the devices, the data-parallel workers
         replicated, and (with more than one) sharded instead, and without stages or tensor
         parallelism as replicas of the model sharded over a divisor of them (HSDP); each
-        sequence split over cp > 1
-        workers only where context parallelism runs, on replicas without pipeline stages.
+        sequence split over cp > 1 workers only where context parallelism runs, on replicas
+        without pipeline stages.
         Whether the sequence divides into 2 * cp chunks is the caller's to check. The planner
-        and Tune enumerate these."""
+        enumerates these."""
         found = []
         for tp in tps:
             for pp in pps:

@@ -127,8 +127,9 @@ class ParallelismConfig(StrictModel):
         1,
         ge=1,
         description="Data-parallel degree: replicas of the pipeline (hybrid) or of the "
-        "tensor-parallel model (tp), shards of the model or of each stage (fsdp). For tp and "
-        "fsdp without stages, 1 means workers / tp.",
+        "tensor-parallel model (tp), shards of the model or of each stage (fsdp; with "
+        "`dp_shard` below it, HSDP: replicas x shards). For tp and fsdp without stages, 1 "
+        "means workers / tp.",
     )
     tp: int = Field(
         1, ge=1, description="Tensor-parallel degree: workers each block is split over (tp, fsdp)."
@@ -294,7 +295,9 @@ def _check_hsdp(replicas: int, shard: int, split: int, sync: SyncConfig, elastic
             f"{sync.kind} with compression {sync.compression} is not available with it"
         )
     if elastic:
-        raise ValueError(f"{layout} runs at a fixed size: give workers as one number")
+        raise ValueError(
+            f"{layout} runs at a fixed size: give workers as one number, without min_workers"
+        )
 
 
 def resolve_degrees(data: dict) -> dict:
@@ -313,10 +316,19 @@ def resolve_degrees(data: dict) -> dict:
         raise ValueError(
             f"workers ({workers}) is not divisible by dp_shard * pp * tp * cp ({split})"
         )
-    replicas = int(data.get("dp", 1)) if pp > 1 else int(workers) // split
-    if pp == 1 and int(data.get("dp", 1)) not in (1, replicas * shard):
+    given_dp = int(data.get("dp", 1))
+    if pp > 1 and shard > 1:  # each stage sharded: `dp` counts a stage's shards
+        replicas = int(workers) // split
+        if given_dp not in (1, shard):
+            raise ValueError(
+                f"dp {given_dp}: with pipeline stages and dp_shard, dp is each stage's shards "
+                f"(dp_shard {shard})"
+            )
+    else:
+        replicas = given_dp if pp > 1 else int(workers) // split
+    if pp == 1 and given_dp not in (1, replicas * shard):
         raise ValueError(
-            f"dp {data['dp']}: without stages the data-parallel workers are workers / (tp * cp) "
+            f"dp {given_dp}: without stages the data-parallel workers are workers / (tp * cp) "
             f"= {replicas * shard}"
         )
     if shard > 1 and replicas > 1:

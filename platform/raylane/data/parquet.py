@@ -69,13 +69,19 @@ def read_rows(
 
 def _head(files: list[Path], columns: list[str], limit: int) -> pa.Table:
     """The first `limit` rows, reading no more record batches than they need."""
-    batches = []
+    tables, rows = [], 0
     for file in files:
-        for batch in pq.ParquetFile(file).iter_batches(batch_size=limit, columns=columns):
-            batches.append(batch)
-            if sum(b.num_rows for b in batches) >= limit:
-                return pa.Table.from_batches(batches).slice(0, limit)
-    return pq.read_table(files, columns=columns)  # fewer rows than `limit`: all of them
+        if rows >= limit:
+            break
+        for batch in pq.ParquetFile(file).iter_batches(batch_size=max(limit, 1), columns=columns):
+            tables.append(pa.Table.from_batches([batch]))
+            rows += batch.num_rows
+            if rows >= limit:
+                break
+    if rows < limit or not tables:  # fewer rows than `limit` (or none asked): read as a whole
+        return pq.read_table(files, columns=columns).slice(0, limit)
+    # Files of one split may differ in their list types: unified as `read_table` does.
+    return pa.concat_tables(tables, promote_options="default").slice(0, limit)
 
 
 def as_matrix(column: np.ndarray) -> np.ndarray:

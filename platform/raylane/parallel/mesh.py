@@ -23,6 +23,10 @@ class ParallelMesh:
     mesh: DeviceMesh
     dims: ParallelDims
     rank: int
+    #: Whether FSDP's shards all-reduce over the `dp_replicate` replicas (HSDP). False where
+    #: the replicas only fill the world for the mesh (the profile's wrapped blocks, timed on
+    #: one group while the rest wait).
+    hybrid_shard: bool = True
 
     @property
     def dp(self) -> int:
@@ -80,7 +84,7 @@ class ParallelMesh:
         """What FSDP shards parameters over: `dp_shard`, or for HSDP the 2-D
         `dp_replicate x dp_shard` mesh (FSDP2 shards over its second dimension and all-reduces
         the gradient shards over its first)."""
-        if self.dims.dp_replicate > 1:
+        if self.hybrid_shard and self.dims.dp_replicate > 1:
             return self.mesh["dp_replicate", "dp_shard"]
         return self.mesh["dp_shard"]
 
@@ -93,12 +97,15 @@ class ParallelMesh:
         return self.mesh["tp"]
 
 
-def build_device_mesh(dims: ParallelDims, device_type: str) -> ParallelMesh:
-    """The layout's mesh over the initialised process group (its size must be the layout's)."""
+def build_device_mesh(
+    dims: ParallelDims, device_type: str, hybrid_shard: bool = True
+) -> ParallelMesh:
+    """The layout's mesh over the initialised process group (its size must be the layout's);
+    `hybrid_shard`: see `ParallelMesh`."""
     if dist.get_world_size() != dims.world_size:
         raise ValueError(
             f"layout {dims.describe()} needs {dims.world_size} workers; the process group has "
             f"{dist.get_world_size()}"
         )
     mesh = init_device_mesh(device_type, dims.mesh_shape(), mesh_dim_names=MESH_DIMS)
-    return ParallelMesh(mesh=mesh, dims=dims, rank=dist.get_rank())
+    return ParallelMesh(mesh=mesh, dims=dims, rank=dist.get_rank(), hybrid_shard=hybrid_shard)

@@ -199,9 +199,9 @@ class _Shape:
         block_params, ends_params = profile["block_params"], profile["ends_params"]
         params_held = (model.n_layers / pp) * block_params / tp + ends_params / pp
         block_held = block_params / tp
-        if dims.fsdp_enabled:  # the stage's (or whole model's) share, over its dp shards
-            params_held /= dp
-            block_held /= dp
+        if dims.fsdp_enabled:  # the stage's (or whole model's) share, over its shards
+            params_held /= dims.dp_shard
+            block_held /= dims.dp_shard
         tokens = model.input_dim / dims.cp
         level = _level(profile, par.workers)
         return cls(

@@ -128,11 +128,10 @@ def plan_by_cost(
     return Plan(ranked, pruned, work, costs, terms)
 
 
-def _hsdp_override(dims: ParallelDims) -> list[str]:
-    """HSDP's shards, given by their degree: the data-parallel workers beyond them replicas."""
-    if dims.fsdp_enabled and dims.dp_replicate > 1:
-        return [f"parallelism.dp_shard={dims.dp_shard}"]
-    return []
+def _shard_override(dims: ParallelDims) -> str:
+    """The layout's shards by their degree (HSDP's: the data-parallel workers beyond them are
+    replicas), or none: a base config's own `dp_shard` must not change the planned layout."""
+    return f"parallelism.dp_shard={dims.dp_shard if dims.fsdp_enabled else 'null'}"
 
 
 def config_overrides(
@@ -149,7 +148,7 @@ def config_overrides(
         f"parallelism.strategy={layout.strategy}",
         f"parallelism.workers={layout.workers}",
         f"parallelism.dp={layout.dp}",
-        *_hsdp_override(layout.dims),
+        _shard_override(layout.dims),
         f"parallelism.tp={layout.tp}",
         f"parallelism.pp={layout.pp}",
         f"parallelism.cp={layout.cp}",

@@ -60,7 +60,9 @@ def build_meshes(
         meshes[k] = {}
         for name, dims in wrap_dims(world, k, n_heads).items():
             if dims not in built:
-                built[dims] = build_device_mesh(dims, device_type)
+                # Only the level's first k workers time the block; the replicas that fill
+                # the world sit it out, so its shards must not all-reduce over them (HSDP).
+                built[dims] = build_device_mesh(dims, device_type, hybrid_shard=False)
             meshes[k][name] = built[dims]
     return meshes
 

@@ -47,7 +47,7 @@ def step_metrics(totals: list[float]) -> dict[str, float]:
     every worker's `StepTimes.as_list()`), and the split's relative error.
     `step_first_wait_ms` is the share of `step_data_wait_ms` that waited for the epoch's first
     batch: `(step_data_wait_ms - step_first_wait_ms) / (step_ms - step_first_wait_ms)` is the
-    fraction of the steps after it spent waiting for data."""
+    fraction of the step time, that wait left out, spent waiting for data."""
     step_s, *parts_s, steps, first_wait_s = totals
     if steps == 0:
         return {}

@@ -205,7 +205,9 @@ def prune_reason(spec: TuneSpec, candidate: Candidate) -> str | None:
 
 def trial_config(spec: TuneSpec, candidate: Candidate, *, for_trial: bool = True) -> RaylaneConfig:
     """The base config with the candidate applied; for a trial, shortened to measured epochs."""
-    overrides = [*spec.base_overrides, *candidate.as_list()]
+    # The candidate names its layout by strategy and dp: a base config's own dp_shard would
+    # turn its fsdp into HSDP.
+    overrides = [*spec.base_overrides, *candidate.as_list(), "parallelism.dp_shard=null"]
     if for_trial:
         overrides += [
             f"training.epochs={spec.trial.epochs}",
