@@ -5,10 +5,10 @@ import re
 import pytest
 import torch
 
-from raylane.config import ConfigError, load_config
+from raylane.config import ConfigError, RaylaneConfig, load_config
 from raylane.config.dims import MESH_DIMS, ParallelDims, Sync
 
-from .test_config import REFERENCE
+from .test_config import REFERENCE, ROOT
 
 LM = "configs/train/lm_pipeline.yaml"
 
@@ -119,6 +119,16 @@ def test_hsdp_is_replicas_of_a_sharded_model_given_by_its_degrees():
     # Rank r trains on part r of each global batch: replicas in the outer dimension.
     assert [dims.data_rank(rank) for rank in range(4)] == [0, 1, 2, 3]
     assert [dims.coordinates(rank)["dp_replicate"] for rank in range(4)] == [0, 0, 1, 1]
+    # Stages sharded by their degrees (dp counts a stage's shards) survive a worker's or
+    # `raylane reproduce`'s revalidation of the dumped config.
+    stages = load_config(
+        ROOT / "configs" / "train" / "lm_fsdp.yaml",
+        ["parallelism.workers=4", "parallelism.dp_shard=2", "parallelism.pp=2",
+         "parallelism.microbatches=2"],
+    )  # fmt: skip
+    again = RaylaneConfig.model_validate(stages.model_dump(mode="json"))
+    assert again.parallelism.dims == stages.parallelism.dims
+    assert (stages.parallelism.dims.dp_replicate, stages.parallelism.dims.dp_shard) == (1, 2)
     # Plain FSDP over all the workers is still the strategy's own layout.
     whole = load_config(REFERENCE, ["parallelism.strategy=fsdp", "parallelism.workers=4"])
     assert (whole.parallelism.dims.dp_replicate, whole.parallelism.dims.dp_shard) == (1, 4)
