@@ -18,6 +18,7 @@ import mlflow
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from torch.distributed.checkpoint import FileSystemReader
 
 from raylane.config import load_config
 from raylane.config.layout import replicas
@@ -173,14 +174,17 @@ def test_an_hsdp_run_records_its_layout_and_checkpoints_every_rank(layout_runs, 
     params = MlflowClient(tracking_uri=workspace.tracking_uri).get_run(outcome.run_id).data.params
     assert (params["layout.dp_replicate"], params["layout.dp_shard"]) == ("2", "2")
     # torch DCP: one file per rank, and a shard the two replicas share written once: the
-    # files hold one copy of the parameters and AdamW's two moments (fp32), not two.
+    # chunks stored of every tensor (parameters, AdamW's moments) add up to it exactly once.
     sharded = Path(outcome.checkpoint_path) / "sharded"
     assert sorted(p.name for p in sharded.glob("*.distcp")) == [
         f"__{rank}_0.distcp" for rank in range(WORKERS["hsdp"])
     ]
-    one_copy = 3 * 4 * sum(math.prod(shape) for shape in _parameter_shapes().values())
-    written = sum(p.stat().st_size for p in sharded.glob("*.distcp"))
-    assert one_copy <= written < 1.3 * one_copy, (written, one_copy)
+    stored = FileSystemReader(str(sharded)).read_metadata().state_dict_metadata
+    tensors = {name: entry for name, entry in stored.items() if hasattr(entry, "chunks")}
+    assert len(tensors) >= 3 * len(_parameter_shapes())
+    for name, entry in tensors.items():
+        held = sum(math.prod(chunk.sizes) for chunk in entry.chunks)
+        assert held == math.prod(entry.size), (name, held, tuple(entry.size))
 
 
 def test_sharded_layouts_record_what_each_worker_holds(layout_runs, one_worker):
