@@ -108,9 +108,10 @@ class Layout:
         return 3 if self.dims.fsdp_enabled else 0
 
     def describe(self) -> str:
-        parts = [self.strategy, f"dp{self.dp}"]
-        if self.dims.fsdp_enabled and self.dims.dp_replicate > 1:  # HSDP
-            parts = [self.strategy, f"dp{self.dims.dp_replicate}x{self.dims.dp_shard}"]
+        dims = self.dims
+        hsdp = dims.fsdp_enabled and dims.dp_replicate > 1
+        dp = f"dp{dims.dp_replicate}x{dims.dp_shard}" if hsdp else f"dp{self.dp}"
+        parts = [self.strategy, dp]
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("-sp" if self.dims.sequence_parallel else ""))
         if self.cp > 1:

@@ -13,7 +13,6 @@ from rich.console import Console
 from rich.table import Table
 
 from raylane.config import ConfigError, RaylaneConfig, load_config
-from raylane.config.dims import MESH_DIMS, ParallelDims
 from raylane.config.loader import flatten, validate_config
 from raylane.plan.hardware import Cluster
 from raylane.plan.pricing import LayoutCost
@@ -204,10 +203,6 @@ def _hours(hours: float) -> str:
     return f"{hours:,.1f}" if hours >= 10 else f"{hours:#.3g}"
 
 
-def _degrees(dims: ParallelDims) -> tuple[int, ...]:
-    return tuple(getattr(dims, name) for name in MESH_DIMS)
-
-
 def write_config(base: Path, result: Plan, path: Path, overrides: list[str] | None = None) -> Path:
     """The first-ranked layout as a runnable training config: `base` with its `overrides` and
     the layout's, validated, written as the fields that differ from the defaults (and the
@@ -218,7 +213,7 @@ def write_config(base: Path, result: Plan, path: Path, overrides: list[str] | No
     cost = result.costs.get(best.layout)
     steps = cost.checkpoint_steps if cost and cost.best is cost.spot else None
     cfg = load_config(base, [*overrides, *config_overrides(best, result.workload, steps)])
-    if _degrees(cfg.parallelism.dims) != _degrees(best.layout.dims):  # what was planned
+    if cfg.parallelism.dims.mesh_shape() != best.layout.dims.mesh_shape():  # the planned one
         raise ConfigError(
             f"the written config runs {cfg.parallelism.dims.describe()}, not the planned "
             f"{best.layout.dims.describe()}"
