@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from torch.distributed.checkpoint import FileSystemReader
 
 from raylane.config import load_config
 from raylane.data.parquet import read_rows
@@ -70,13 +71,22 @@ def test_pipeline_job_learns_and_records_its_layout_and_bubble(pipeline_run, cli
 
 
 def test_each_stage_saves_its_part_of_the_checkpoint(pipeline_run):
-    # Resuming from these parts runs as the README's own pipeline commands
+    # Resuming from this checkpoint runs as the README's own pipeline commands
     # (test_readme_run.py::test_pipeline_block).
     _, outcome = pipeline_run
     last = Path(outcome.checkpoint_path)
-    assert {"model-part000.pt", "model-part001.pt", "optimizer-part000.pt"} <= {
-        p.name for p in last.iterdir()
-    }
+    assert sorted(p.name for p in last.iterdir()) == [
+        "meta.json", "model-part000.pt", "model-part001.pt", "sharded"
+    ]  # fmt: skip
+    # The stages' DCP files hold the whole model's parameters and optimizer state, each
+    # stage's under the whole model's names: they merge, and resume cut at other blocks.
+    stored = FileSystemReader(str(last / "sharded")).read_metadata().state_dict_metadata
+    for part in ("model-part000.pt", "model-part001.pt"):
+        weights = torch.load(last / part, weights_only=True)
+        assert weights
+        for name, tensor in weights.items():
+            assert stored[f"model.{name}"].size == tensor.shape
+            assert stored[f"optimizer.state.{name}.exp_avg"].size == tensor.shape
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from mlflow.tracking import MlflowClient
+from torch.distributed.checkpoint import FileSystemReader
 
 from raylane.config import load_config
 
@@ -98,9 +99,16 @@ def _git(*args: str) -> str:
 def test_checkpoint_per_epoch_holds_model_optimizer_and_epoch(trained):
     cfg, outcome = trained
     last = Path(outcome.checkpoint_path)
-    assert {"model-part000.pt", "optimizer-part000.pt", "meta.json"} <= {
-        p.name for p in last.iterdir()
-    }
+    # One format for every layout: DCP (one file per worker, the replicas' copy once, AdamW's
+    # moments beside each parameter), and the assembled model that registration loads.
+    assert sorted(p.name for p in last.iterdir()) == ["meta.json", "model-part000.pt", "sharded"]
+    sharded = last / "sharded"
+    assert sorted(p.name for p in sharded.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    stored = FileSystemReader(str(sharded)).read_metadata().state_dict_metadata
+    weights = torch.load(last / "model-part000.pt", weights_only=True)
+    for name, tensor in weights.items():
+        assert stored[f"model.{name}"].size == tensor.shape
+        assert stored[f"optimizer.state.{name}.exp_avg"].size == tensor.shape
     assert json.loads((last / "meta.json").read_text())["epoch"] == cfg.training.epochs - 1
     # The newest two of all: the last epoch's last step checkpoint, and its end.
     kept = sorted(p.name for p in last.parent.glob("epoch_*"))

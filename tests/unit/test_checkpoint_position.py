@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from raylane.config import ConfigError, load_config
+from raylane.train.checkpoint_files import META_FILE
 from raylane.train.checkpointing import (
     Position,
-    restore_checkpoint,
+    load_model_state,
+    restore,
     resume_position,
     save_checkpoint,
 )
@@ -26,10 +28,57 @@ def test_epoch_and_step_checkpoints_say_where_training_continues(tmp_path):
     save_checkpoint(tmp_path / "step", model, optimizer, 4, step)
     assert resume_position(tmp_path / "step") == Position(4, 8, 12.5, 1024)
     other = torch.nn.Linear(3, 2)
-    assert restore_checkpoint(tmp_path / "step", other, torch.optim.AdamW(other.parameters())) == (
-        Position(4, 8, 12.5, 1024)
-    )
+    resumed = torch.optim.AdamW(other.parameters())
+    assert restore(tmp_path / "step", other, resumed, other, 0) == Position(4, 8, 12.5, 1024)
     assert torch.equal(other.weight, model.weight)
+
+
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).square().sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _same_state(model, optimizer, other, resumed) -> None:
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters(), strict=True)
+    )
+    for param, again in zip(model.parameters(), other.parameters(), strict=True):
+        saved, loaded = optimizer.state[param], resumed.state[again]
+        assert int(loaded["step"]) == int(saved["step"]) == 1
+        assert torch.equal(loaded["exp_avg"], saved["exp_avg"])
+        assert torch.equal(loaded["exp_avg_sq"], saved["exp_avg_sq"])
+
+
+def test_a_checkpoint_is_one_distributed_checkpoint_and_the_assembled_model(tmp_path):
+    model, optimizer = _trained()
+    save_checkpoint(tmp_path, model, optimizer, 0, {"val_loss": 0.5})
+    assert sorted(p.name for p in tmp_path.iterdir()) == [META_FILE, "model-part000.pt", "sharded"]
+    assert (tmp_path / "sharded" / ".metadata").is_file()
+    assert load_model_state(tmp_path).keys() == model.state_dict().keys()
+    other = torch.nn.Linear(3, 2)
+    resumed = torch.optim.AdamW(other.parameters(), lr=0.1)
+    assert restore(tmp_path, other, resumed, other, 0) == Position(1)
+    _same_state(model, optimizer, other, resumed)
+
+
+def test_a_checkpoint_of_the_earlier_part_files_still_resumes(tmp_path):
+    """Whole-model replicas and pipeline stages wrote `model-partNNN.pt` and
+    `optimizer-partNNN.pt` before every checkpoint was DCP: such a run still resumes."""
+    model, optimizer = _trained()
+    torch.save(model.state_dict(), tmp_path / "model-part000.pt")
+    torch.save(optimizer.state_dict(), tmp_path / "optimizer-part000.pt")
+    (tmp_path / META_FILE).write_text('{"epoch": 2, "metrics": {}, "global_step": 30}')
+    other = torch.nn.Linear(3, 2)
+    resumed = torch.optim.AdamW(other.parameters(), lr=0.1)
+    assert restore(tmp_path, other, resumed, other, 0) == Position(3, global_step=30)
+    _same_state(model, optimizer, other, resumed)
+    (tmp_path / "optimizer-part000.pt").unlink()
+    with pytest.raises(FileNotFoundError, match="holds neither a distributed checkpoint"):
+        restore(tmp_path, other, resumed, other, 0)
 
 
 @pytest.mark.parametrize("strategy", ["async", "ssp", "local_sgd"])

@@ -100,7 +100,7 @@ def test_a_restored_checkpoint_keeps_this_runs_kernel_choice(tmp_path):
     """Loading optimizer state replaces each group's settings with the saved ones: a checkpoint
     saved with torch's default path must not decide a run whose groups take another (a CUDA
     run's fused groups, here a forced foreach)."""
-    from raylane.train.checkpointing import restore_checkpoint, save_checkpoint
+    from raylane.train.checkpointing import restore, save_checkpoint
 
     model = GPT(256, 16, 32, 4, 2)
     _backward(model)
@@ -108,7 +108,7 @@ def test_a_restored_checkpoint_keeps_this_runs_kernel_choice(tmp_path):
     saved.step()
     save_checkpoint(tmp_path, model, saved, epoch=0, metrics={})
     resumed = build_optimizer(model.parameters(), "adamw", LR, DECAY, foreach=True)
-    restore_checkpoint(tmp_path, model, resumed)
+    restore(tmp_path, model, resumed, model, 0)
     assert resumed.param_groups[0]["foreach"] is True
     state = next(iter(resumed.state.values()))
     assert int(state["step"]) == 1  # the state itself did come back

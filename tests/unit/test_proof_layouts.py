@@ -39,7 +39,6 @@ from raylane.models import build_model
 from raylane.models.losses import cross_entropy
 from raylane.models.optim import build_optimizer
 from raylane.parallel.ddp import DataParallel
-from raylane.parallel.grad_compression import register_compression
 from raylane.parallel.pipeline import PipelineParallel
 from raylane.parallel.registry import get_strategy
 from tests.readme_blocks import ROOT
@@ -131,14 +130,14 @@ def _checkpointed(module: nn.Module) -> list[bool]:
 
 def _check_ddp_checkpointing(rank: int) -> dict:
     """Two DDP steps with checkpointed blocks, each worker on its half of the rows (the hook
-    and wrapper `DataParallel.wrap_model` sets up on a CPU worker), against the plain model."""
+    and wrapper `DataParallel.wrap_model` sets up on a CPU worker: `parallelize`'s last step),
+    against the plain model."""
     cfg = _config("parallelism.strategy=ddp", "parallelism.pp=1", "parallelism.dp=2",
                   "training.activation_checkpointing=true")  # fmt: skip
     strategy = DataParallel(cfg, rank)
     plain = _gpt()
-    placed = strategy.place(copy.deepcopy(plain))
-    model = DistributedDataParallel(placed)
-    strategy.meter = register_compression(model, strategy.grad_compression, strategy.topk_ratio)
+    model = strategy.wrap_model(copy.deepcopy(plain))
+    placed = model.module
     optimizer = build_optimizer(model.parameters(), "sgd", LR, 0.0)
     half = slice(rank * ROWS // 2, (rank + 1) * ROWS // 2)
     loss_errors, grad_errors = [], []
@@ -151,8 +150,9 @@ def _check_ddp_checkpointing(rank: int) -> dict:
         _, expected_grads = _plain_step(plain, inputs, targets)
         grads = {n: p.grad for n, p in model.module.named_parameters()}
         grad_errors.append(_max_error(grads, expected_grads))
+    ddp = isinstance(model, DistributedDataParallel)
     return {"checkpointed": _checkpointed(placed), "loss_errors": loss_errors,
-            "grad_errors": grad_errors}  # fmt: skip
+            "grad_errors": grad_errors, "ddp": ddp}  # fmt: skip
 
 
 def _check_pipeline(rank: int, overrides: list[str]) -> dict:
@@ -241,6 +241,7 @@ def results(two_processes) -> list[dict]:
 def test_ddp_with_checkpointed_blocks_equals_the_plain_model(results):
     for found in (r["ddp, checkpointed blocks"] for r in results):
         print(f"DDP, checkpointed blocks: {found}")
+        assert found["ddp"]  # `parallelize` ended with DDP over the two workers
         assert found["checkpointed"] == [True] * LAYERS  # every block recomputed in backward
         assert max(found["loss_errors"]) <= FP32_TOLERANCE["loss_rel"], found
         assert max(found["grad_errors"]) <= FP32_TOLERANCE["grad_atol"], found

@@ -38,15 +38,13 @@ class ParallelStrategy(Protocol):
     reports_loss: bool
     #: Reporting workers that share each row (its sequence's cp workers), each counting 1/n.
     row_reporters: int
-    #: This worker writes its part of each checkpoint, under this part number.
-    saves_checkpoint: bool
+    #: The part number of this worker's assembled model in a checkpoint (its pipeline stage).
     checkpoint_part: int
     #: Seconds of the last `train_step` by part: 'compute', 'comm' (exposed communication),
     #: 'bubble' (pipeline stages waiting for each other); see raylane.tracking.step_times.
     last_step_parts: dict[str, float]
     #: Every worker writes its shards of each checkpoint (torch distributed checkpoint), and
-    #: those with `writes_part` the assembled part as well.
-    sharded_checkpoint: bool
+    #: those with `writes_part` their assembled part as well (`raylane.train.checkpointing`).
     writes_part: bool
     #: The strategy's own activation meter (pipeline stages measure inside their schedule);
     #: None: the loop meters each step.
@@ -94,8 +92,8 @@ class ParallelStrategy(Protocol):
 
 class StrategyDefaults:
     """The one training step every strategy but the pipeline's runs, and what a strategy that
-    has nothing special there does for the protocol's other parts: one checkpoint file per
-    part, the loop's own activation meter, no run tables, nothing to do when its steps end, the
+    has nothing special there does for the protocol's other parts: no assembled model to
+    write, the loop's own activation meter, no run tables, nothing to do when its steps end, the
     plain model, evaluation on this worker's device (its outputs stay there: the loop sums on
     the device and syncs once an epoch), no epoch stats.
 
@@ -107,7 +105,6 @@ class StrategyDefaults:
     compute. Pipelines override `train_step`: their schedule drives forward and backward.
     """
 
-    sharded_checkpoint = False
     writes_part = False
     activations: ActivationMeter | None = None
     run_tables: dict[str, dict] = {}  # noqa: RUF012 - a strategy that has tables sets its own
@@ -194,7 +191,7 @@ class StrategyDefaults:
 
 class WholeModelReplica(StrategyDefaults):
     """Every worker holds the whole model and trains on its own shard of the data (DDP, local
-    SGD, the parameter server); rank 0 writes the checkpoint."""
+    SGD, the parameter server); rank 0 writes the assembled model of each checkpoint."""
 
     splits_dataset = True
     data_rank, data_world = 0, 1
@@ -208,7 +205,7 @@ class WholeModelReplica(StrategyDefaults):
         self.activation_checkpointing = cfg.training.activation_checkpointing
         self.compile_blocks = cfg.training.compile
         self.precision = cfg.training.precision
-        self.saves_checkpoint = rank == 0
+        self.writes_part = rank == 0
         self.last_step_parts: dict[str, float] = {}
         self.sent_bytes = self.dense_bytes = self.steps = 0
         if cfg.parallelism.elastic:
@@ -217,15 +214,16 @@ class WholeModelReplica(StrategyDefaults):
             self.splits_dataset = False
             self.data_rank, self.data_world = rank, world_size()
 
-    def place(self, model: nn.Module) -> nn.Module:
+    def place(self, model: nn.Module, all_reduce: bool = False) -> nn.Module:
         """The plain model on this worker's device, with the layout's steps that apply to a
-        whole-model replica (activation checkpointing, compile): what each strategy then
-        synchronises its own way."""
+        whole-model replica (activation checkpointing, compile) and, with `all_reduce`, DDP as
+        its data-parallel sync; without it, each strategy synchronises its own way."""
         return parallelize(
             model.to(self.device),
             None,
             activation_checkpointing=self.activation_checkpointing,
             compile_blocks=self.compile_blocks,
+            ddp_device=self.device if all_reduce else None,
         )
 
 

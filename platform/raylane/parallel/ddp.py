@@ -11,7 +11,7 @@ from raylane.parallel.grad_compression import register_compression, take_comm_st
 
 
 class DataParallel(WholeModelReplica):
-    """DistributedDataParallel set up by Ray Train (gloo on CPU, NCCL on GPU)."""
+    """DistributedDataParallel over Ray Train's process group (gloo on CPU, NCCL on GPU)."""
 
     def __init__(self, cfg: RaylaneConfig, rank: int):
         super().__init__(cfg, rank)
@@ -19,12 +19,9 @@ class DataParallel(WholeModelReplica):
         self.topk_ratio = cfg.parallelism.topk_ratio
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        from ray.train.torch import prepare_model
-
-        # prepare_model wraps it in DDP (on this worker's GPU: device_ids) when the worker group
-        # has more than one worker; the model is already where `place` put it.
-        placed = self.place(model)
-        model = prepare_model(placed, move_to_device=self.device, parallel_strategy="ddp")
+        # DDP is `parallelize`'s last step (one worker: the model itself); the hook that
+        # all-reduces each bucket, compressed or not, counts what it sends.
+        model = self.place(model, all_reduce=True)
         self.meter = register_compression(model, self.grad_compression, self.topk_ratio)
         return model
 

@@ -31,8 +31,6 @@ class MeshParallel(StrategyDefaults):
     """`tp` workers per model, `dp` replicas of it or `dp` shards of it (workers = dp * tp)."""
 
     splits_dataset = False
-    #: Every worker writes its shards (torch distributed checkpoint), rank 0 the whole model.
-    sharded_checkpoint = True
     checkpoint_part = 0
 
     def __init__(self, cfg: RaylaneConfig, rank: int):
@@ -48,7 +46,6 @@ class MeshParallel(StrategyDefaults):
         self.data_rank, self.data_world = self.dp_rank, self.dp
         # The tp workers of a replica compute the same loss; one of them reports it.
         self.reports_loss = self.tp_rank == 0
-        self.saves_checkpoint = True
         self.writes_part = rank == 0  # the assembled model
         self.last_step_parts: dict[str, float] = {}
         self.averager = None

@@ -10,13 +10,16 @@ pipeline stage of it.
 4. `training.compile`: each block's forward compiled by torch.compile (torchtitan's regional
    compile: every block has the same code, so one graph serves them all; compiled after the
    checkpointing it must trace, before FSDP, whose hooks stay outside it);
-5. FSDP2 over the `dp_shard` sub-mesh: block by block, then the rest as the root unit (with
-   bf16 `training.precision`, its mixed-precision policy: `raylane.parallel.precision`).
+5. data-parallel sync (`apply_data_parallel`), last: FSDP2 over the `dp_shard` sub-mesh (HSDP
+   over `dp_replicate x dp_shard`), block by block, then the rest as the root unit (with bf16
+   `training.precision`, its mixed-precision policy: `raylane.parallel.precision`); or, for
+   whole-model replicas that all-reduce, DDP over the process group (the strategy registers
+   its communication hook on it: `raylane.parallel.grad_compression`).
 
 Each step is one function and runs only where its degree (or setting) asks for it, so any
-combination of them is this one sequence. How data-parallel replicas then agree (DDP and its
-communication hook, periodic averaging, a parameter server, or the averaging of a mesh's
-replicas) is the strategy's synchronisation, applied to what this returns. A pipeline first
+combination of them is this one sequence. Replicas that agree otherwise (periodic averaging, a
+parameter server, the compressed average of a tensor-parallel mesh's replicas, a pipeline's
+stages) do so in their strategy, on what this returns. A pipeline first
 cuts the model into its stage (`raylane.parallel.pipeline.build_stage_module`) and then calls
 this on the stage. torch's DTensor and FSDP modules are imported by the step that needs them:
 a data-parallel worker never pays their imports.
@@ -182,6 +185,36 @@ def apply_fsdp(model: nn.Module, shard_mesh: DeviceMesh, precision: str = "fp32"
     return model
 
 
+def apply_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    """Whole-model replicas over the default process group: `model` (already on `device`)
+    wrapped in DDP, its gradients all-reduced bucket by bucket inside backward (on a GPU, DDP
+    over that device alone). One worker has nothing to all-reduce: the model itself."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return model
+    if device.type == "cuda":
+        return DistributedDataParallel(model, device_ids=[device], output_device=device)
+    return DistributedDataParallel(model)
+
+
+def apply_data_parallel(
+    model: nn.Module,
+    mesh: ParallelMesh | None,
+    precision: str = "fp32",
+    ddp_device: torch.device | None = None,
+) -> nn.Module:
+    """The last apply step, how data-parallel workers agree: FSDP2 (or HSDP) where the layout
+    shards, DDP on `ddp_device` where whole-model replicas all-reduce (`ddp_device` given),
+    else nothing (one worker; a sync its strategy runs itself). Returns what is trained."""
+    if mesh is not None and mesh.dims.fsdp_enabled:
+        return apply_fsdp(model, mesh.shard_mesh, precision)
+    if ddp_device is not None:
+        return apply_ddp(model, ddp_device)
+    return model
+
+
 def parallelize(
     model: nn.Module,
     mesh: ParallelMesh | None,
@@ -192,13 +225,16 @@ def parallelize(
     vocabulary_loss: bool = False,
     compile_blocks: bool = False,
     compile_backend: str = "inductor",
+    ddp_device: torch.device | None = None,
 ) -> nn.Module:
-    """Apply the layout's parallelisms to `model` in order (in place; returns it). `mesh` is
-    None for layouts whose workers each hold the whole model (nothing to split or shard).
-    `ring_traffic` measures context parallelism's ring (`apply_context_parallel`);
-    `vocabulary_loss`: the caller computes the loss under `sharded_loss`, so a
-    sequence-parallel model's head may return vocabulary-sharded logits; `compile_blocks`
-    (`training.compile`) compiles each block with `compile_backend` (`apply_compile`)."""
+    """Apply the layout's parallelisms to `model` in order (in place, but for DDP's wrapper;
+    returns what is trained). `mesh` is None for layouts whose workers each hold the whole
+    model (nothing to split or shard). `ring_traffic` measures context parallelism's ring
+    (`apply_context_parallel`); `vocabulary_loss`: the caller computes the loss under
+    `sharded_loss`, so a sequence-parallel model's head may return vocabulary-sharded logits;
+    `compile_blocks` (`training.compile`) compiles each block with `compile_backend`
+    (`apply_compile`); `ddp_device`: whole-model replicas all-reducing by DDP on that device
+    (`apply_data_parallel`)."""
     if mesh is not None and mesh.dims.cp_enabled:
         apply_context_parallel(model, mesh.cp_group, mesh.cp_rank, mesh.dims.cp, ring_traffic)
     if mesh is not None and mesh.dims.tp_enabled:
@@ -207,6 +243,4 @@ def parallelize(
         checkpoint_blocks(model)
     if compile_blocks:
         apply_compile(model, compile_backend)
-    if mesh is not None and mesh.dims.fsdp_enabled:
-        apply_fsdp(model, mesh.shard_mesh, precision)
-    return model
+    return apply_data_parallel(model, mesh, precision, ddp_device)

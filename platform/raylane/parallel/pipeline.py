@@ -76,12 +76,9 @@ class PipelineParallel(StrategyDefaults):
         self.data_rank, self.data_world = self.mesh.dp_rank, par.dp
         # The tp workers of the last stage compute the same loss; one of them reports it.
         self.reports_loss = self.is_last and self.mesh.tp_rank == 0
-        self.saves_checkpoint = self.mesh.dp_rank == 0
+        # Every worker writes its shards, and each stage's first worker that stage's part.
         self.checkpoint_part = self.stage_index
-        # 3D or sharded stages: every worker writes its shards (and each stage's first worker
-        # that stage's assembled part).
-        self.sharded_checkpoint = par.tp > 1 or self.sharded
-        self.writes_part = self.saves_checkpoint and self.mesh.tp_rank == 0
+        self.writes_part = self.mesh.dp_rank == 0 and self.mesh.tp_rank == 0
         self.timer = StageTimer()
         self.activations = ActivationMeter()
         self.last_step_parts: dict[str, float] = {}

@@ -3,9 +3,10 @@ from a strategy name.
 
 With pipeline stages a schedule drives each step, whatever else each stage is (replicated,
 tensor parallel, sharded). Without them, a model split over workers (tensor or context
-parallel) or sharded (FSDP, also at one worker of an elastic range, so that its checkpoints
-keep one format) trains on a device mesh; whole-model replicas agree as the layout's sync says:
-DDP's all-reduce, periodic averages, or a parameter server.
+parallel) or sharded (FSDP) trains on a device mesh; whole-model replicas agree as the layout's
+sync says: DDP's all-reduce, periodic averages, or a parameter server. One worker of an elastic
+FSDP range holds the whole model: a replica, whose checkpoints are DCP like every layout's, so
+the group re-shards them when it grows again.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ def implementation(par: ParallelismConfig) -> str:
     dims = par.dims
     if dims.pp_enabled:
         return PIPELINE
-    if dims.tp_enabled or dims.cp_enabled or dims.fsdp_enabled or PRESETS[par.strategy].shard:
+    if dims.tp_enabled or dims.cp_enabled or dims.fsdp_enabled:
         return MESH
     return REPLICAS[dims.sync.kind]
 

@@ -2,13 +2,16 @@
 follow, or for a step checkpoint inside an epoch, the epoch, the steps of it done and the
 group's loss so far).
 
-A checkpoint may be written in parts (one per pipeline stage, each by its own worker; Ray Train
-merges the workers' directories). Parameter names are those of the whole model in every part,
-so the parts' state dicts merge into the whole model's.
+One format for every layout: a torch distributed checkpoint (`sharded/`), which every worker
+writes collectively (its shards of a split or sharded model; of a replicated one, DCP keeps one
+copy), with the optimizer state keyed by parameter name. It resumes on its own layout and,
+re-sharded by DCP, on another worker count (an elastic group that shrank or grew).
+Beside it, the workers with `writes_part` write the assembled model as `model-partNNN.pt`
+(one part per pipeline stage, in the whole model's parameter names, so the parts merge): what
+registration, serving and fine-tuning load. Ray Train merges the workers' directories.
 
-Strategies whose parameters are sharded (tp, fsdp) write a torch distributed checkpoint instead
-(`sharded/`: every worker its shards of the model and optimizer, resumable on the same layout)
-and, from rank 0, the assembled model as part 0, which is what registration and serving load.
+Checkpoints written before DCP was the one format (`model-partNNN.pt` and
+`optimizer-partNNN.pt` alone) still resume: `restore` reads each worker's part of them.
 """
 
 from __future__ import annotations
@@ -30,24 +33,6 @@ def _model_file(part: int) -> str:
 
 def _optimizer_file(part: int) -> str:
     return f"optimizer-part{part:03d}.pt"
-
-
-def save_checkpoint(
-    directory: Path,
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    epoch: int,
-    metrics: dict,
-    part: int = 0,
-) -> None:
-    """Write this worker's part of a checkpoint of a plain (unwrapped) model or stage."""
-    directory.mkdir(parents=True, exist_ok=True)
-    torch.save(model.state_dict(), directory / _model_file(part))
-    torch.save(optimizer.state_dict(), directory / _optimizer_file(part))
-    if part == 0:
-        # One writer: Ray Train merges the parts' directories, and two meta files written into
-        # the same place would corrupt each other.
-        _write_meta(directory, epoch, metrics)
 
 
 def load_model_state(directory: Path) -> dict:
@@ -83,17 +68,33 @@ def resume_position(directory: Path) -> Position:
     return Position(meta["epoch"], meta["step"], meta["loss_sum"], meta["rows"], global_step)
 
 
-def restore_checkpoint(
+def restore(
+    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, plain: nn.Module, part: int
+) -> Position:
+    """Collective: load checkpoint `directory` into this worker's `model` and `optimizer` (its
+    shards, its stage); where training continues. `plain` is `model` unwrapped and `part` its
+    part number, for a checkpoint written before DCP was the one format."""
+    directory = Path(directory)
+    if (directory / SHARDED_DIR / ".metadata").is_file():
+        return restore_sharded_checkpoint(directory, model, optimizer)
+    return restore_parts(directory, plain, optimizer, part)
+
+
+def restore_parts(
     directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, part: int = 0
 ) -> Position:
-    """Load this worker's part (weights and optimizer state); where training continues."""
-    directory = Path(directory)
-    state = torch.load(directory / _model_file(part), map_location="cpu", weights_only=True)
-    model.load_state_dict(state)
-    with kernel_choice_kept(optimizer):
-        optimizer.load_state_dict(
-            torch.load(directory / _optimizer_file(part), map_location="cpu", weights_only=True)
+    """An earlier checkpoint's part `part` (`model-partNNN.pt` and `optimizer-partNNN.pt`,
+    whole-model replicas' and pipeline stages' format before DCP) into a plain `model`."""
+    model_file, optimizer_file = directory / _model_file(part), directory / _optimizer_file(part)
+    if not optimizer_file.is_file():
+        raise FileNotFoundError(
+            f"checkpoint {directory} holds neither a distributed checkpoint "
+            f"({SHARDED_DIR}/.metadata) nor the parts {model_file.name} and "
+            f"{optimizer_file.name}"
         )
+    model.load_state_dict(torch.load(model_file, map_location="cpu", weights_only=True))
+    with kernel_choice_kept(optimizer):
+        optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
     return resume_position(directory)
 
 
@@ -113,6 +114,17 @@ def _flat_options():
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
+def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The model's and optimizer's state dicts as DCP writes and loads them. An optimizer
+    without state (fresh, or one whose parameters a server updates) gets torch's zero state
+    first, the keys a load fills: torch makes it only where no gradient is set."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    if not optimizer.state:
+        optimizer.zero_grad(set_to_none=True)
+    return get_state_dict(model, optimizer, options=_flat_options())
+
+
 def save_sharded_checkpoint(
     directory: Path,
     model: nn.Module,
@@ -123,16 +135,12 @@ def save_sharded_checkpoint(
     writes_part: bool = False,
 ) -> None:
     """Collective: every worker writes its shards; the workers with `writes_part` also their
-    part (or the whole) of the assembled model, as `save_checkpoint` would."""
+    part (or the whole) of the assembled model and, for part 0, the checkpoint's metadata."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_state_dict,
-    )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     directory.mkdir(parents=True, exist_ok=True)
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=_flat_options())
+    model_state, optimizer_state = _state_dicts(model, optimizer)
     dcp.save(
         {"model": model_state, "optimizer": optimizer_state},
         checkpoint_id=directory / SHARDED_DIR,
@@ -149,18 +157,12 @@ def save_sharded_checkpoint(
 def restore_sharded_checkpoint(
     directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> Position:
-    """Collective: load every worker's shards of model and optimizer; where training
-    continues."""
+    """Collective: load every worker's shards of model and optimizer from the checkpoint's
+    DCP directory; where training continues."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    directory = Path(directory)
-    if not (directory / SHARDED_DIR / ".metadata").is_file():
-        raise ValueError(
-            f"checkpoint {directory} holds no sharded state ({SHARDED_DIR}/.metadata): it was "
-            "saved by a strategy that does not shard the model; resume it with that strategy"
-        )
-    model_state, optimizer_state = get_state_dict(model, optimizer, options=_flat_options())
+    model_state, optimizer_state = _state_dicts(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(state, checkpoint_id=directory / SHARDED_DIR)
     with kernel_choice_kept(optimizer):
@@ -174,20 +176,16 @@ def restore_sharded_checkpoint(
     return resume_position(directory)
 
 
-def save_epoch_checkpoint(directory: Path, strategy, model, optimizer, epoch: int, metrics) -> bool:
-    """This worker's part of epoch `epoch`'s checkpoint, as its strategy writes checkpoints;
-    whether it reports one (a sharded checkpoint needs every worker's files, otherwise only
-    the writers')."""
-    if strategy.sharded_checkpoint:
-        save_sharded_checkpoint(
-            directory, model, optimizer, epoch, metrics, strategy.checkpoint_part,
-            strategy.writes_part,
-        )  # fmt: skip
-        return True
-    if strategy.saves_checkpoint:
-        save_checkpoint(
-            directory, strategy.unwrap_model(model), optimizer, epoch, metrics,
-            strategy.checkpoint_part,
-        )  # fmt: skip
-        return True
-    return False
+def save_epoch_checkpoint(directory: Path, strategy, model, optimizer, epoch: int, metrics) -> None:
+    """Collective: this worker's part of epoch `epoch`'s checkpoint (its DCP shards, and the
+    assembled part where its strategy `writes_part`)."""
+    save_sharded_checkpoint(
+        directory, model, optimizer, epoch, metrics, strategy.checkpoint_part, strategy.writes_part
+    )
+
+
+def save_checkpoint(
+    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, metrics
+) -> None:
+    """A checkpoint of one process's whole model (no process group: DCP writes one file)."""
+    save_sharded_checkpoint(directory, model, optimizer, epoch, metrics, writes_part=True)

@@ -37,11 +37,7 @@ from raylane.tracking.identity import code_digest, package_dir, requirements
 from raylane.tracking.step_times import StepTimes, step_metrics
 from raylane.tracking.system_metrics import node_label, start_node_monitor
 from raylane.train.batches import iter_torch_batches
-from raylane.train.checkpointing import (
-    Position,
-    restore_checkpoint,
-    restore_sharded_checkpoint,
-)
+from raylane.train.checkpointing import Position, restore
 from raylane.train.elastic import at_world_size
 from raylane.train.errors import CODE_MISMATCH
 from raylane.train.journal import Journal
@@ -297,11 +293,8 @@ def _restore(strategy, model, optimizer, checkpoint, cfg: RaylaneConfig) -> Posi
     if checkpoint is None:
         return Position(0)
     with checkpoint.as_directory() as directory:
-        if strategy.sharded_checkpoint:
-            return restore_sharded_checkpoint(Path(directory), model, optimizer)
-        return restore_checkpoint(
-            Path(directory), strategy.unwrap_model(model), optimizer, strategy.checkpoint_part
-        )
+        plain = strategy.unwrap_model(model)
+        return restore(Path(directory), model, optimizer, plain, strategy.checkpoint_part)
 
 
 def _start_tracking(spec: WorkerSpec, cfg: RaylaneConfig, rank: int, placement):

@@ -95,12 +95,12 @@ class StepCheckpoints:
         progress record then waits for every worker's part and records the checkpoint as
         complete, so a restart can take it even before Ray Train has registered it."""
         with tempfile.TemporaryDirectory() as directory:
-            wrote = save_epoch_checkpoint(
+            save_epoch_checkpoint(
                 Path(directory), self.strategy, self.model, self.optimizer, epoch, metrics
             )
             ray.train.report(
                 {**metrics, **(extra or {})},
-                checkpoint=ray.train.Checkpoint.from_directory(directory) if wrote else None,
+                checkpoint=ray.train.Checkpoint.from_directory(directory),
                 checkpoint_dir_name=name,
             )
         if self.recorded:
