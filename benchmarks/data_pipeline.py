@@ -40,6 +40,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -138,6 +139,37 @@ def child(mode: str, corpus: Path, out: Path, object_store_mb: int) -> dict:
     }
 
 
+class RssTrace:
+    """This process's resident memory (`/proc/self/status`), sampled every `interval` s by a
+    thread from `start()`: where in a run the driver's memory grows."""
+
+    def __init__(self, interval: float = 1.0):
+        self.interval, self.samples = interval, []
+        self.done = threading.Event()
+
+    def start(self) -> RssTrace:
+        threading.Thread(target=self._sample, daemon=True).start()
+        return self
+
+    def _sample(self) -> None:
+        while not self.done.wait(self.interval):
+            self.samples.append(_rss_mb())
+
+    def stop(self) -> dict:
+        """The RSS at each fifth of the traced time (first sample to last), and its maximum."""
+        self.done.set()
+        samples = self.samples or [_rss_mb()]
+        fifths = [samples[round(i * (len(samples) - 1) / 5)] for i in range(6)]
+        return {"fifths": [round(mb) for mb in fifths], "max": round(max(samples))}
+
+
+def _rss_mb() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
 def train_child(corpus: Path, out: Path, object_store_mb: int) -> dict:
     """(d) in this process: the corpus prepared streamed, then one epoch of 2 DDP workers
     reading it through Ray Data; its figures."""
@@ -150,9 +182,13 @@ def train_child(corpus: Path, out: Path, object_store_mb: int) -> dict:
 
     _start_ray(object_store_mb)
     start = time.perf_counter()
+    before_prepare = _rss_mb()
     train, validation = ensure_dataset(cfg)
     prepared = time.perf_counter()
+    peak_before_training = _peak_rss_mb()
+    trace = RssTrace().start()
     metrics = run_training(cfg, register=False).metrics
+    training_rss = trace.stop()
     seconds = time.perf_counter() - prepared
     block_mb = train.rows * 2 * CONTEXT * 8 / 2**20  # features and labels, int64
     wait = metrics["step_data_wait_ms"] / metrics["step_ms"]
@@ -174,6 +210,11 @@ def train_child(corpus: Path, out: Path, object_store_mb: int) -> dict:
         "first_batch_wait_s": round(first * metrics["global_step"] / 1000, 2),
         "data_wait_fraction_after_first_batch": round(steady, 4),
         "driver_peak_rss_mb": round(_peak_rss_mb()),
+        # Where the driver's memory went: Ray started, the corpus prepared, then the training
+        # call (its preflight, the fit, the logging) traced.
+        "driver_rss_before_prepare_mb": round(before_prepare),
+        "driver_peak_rss_before_training_mb": round(peak_before_training),
+        "driver_rss_while_training_mb": training_rss,
         "worker_peak_rss_mb": round(metrics["peak_rss_mb"]),
         "val_loss": round(metrics["val_loss"], 3),
     }

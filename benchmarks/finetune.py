@@ -38,8 +38,6 @@ from harness import add_smoke_flag, print_last_line
 
 from raylane.config import load_config
 from raylane.data.text import stdlib_source_files, token_windows
-from raylane.generation.engine import GenerationEngine
-from raylane.generation.sampling import SamplingParams
 from raylane.models import build_model
 from raylane.models.adapters import adapter_state, apply_lora, load_adapter, merge_adapters
 from raylane.models.losses import cross_entropy
@@ -47,6 +45,8 @@ from raylane.models.optim import build_optimizer
 from raylane.parallel.base import StrategyDefaults
 from raylane.parallel.meters import model_state_bytes
 from raylane.parallel.precision import bf16_speed
+from raylane.serving.generation.engine import GenerationEngine
+from raylane.serving.generation.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 WARMUP = 5  # steps left out of the median (allocator and oneDNN warm-up)

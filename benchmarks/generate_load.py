@@ -53,13 +53,13 @@ from harness import add_smoke_flag, print_last_line
 from raylane.config import load_config
 from raylane.data import ensure_dataset
 from raylane.data.parquet import read_rows
-from raylane.generation.engine import GenerationEngine, generate_without_cache
-from raylane.generation.hf_peer import hf_greedy, to_hf_gpt2
-from raylane.generation.loader import load_language_model
-from raylane.generation.quantize import bits_per_byte, quantize_int8, weight_bytes
-from raylane.generation.sampling import SamplingParams
 from raylane.models import build_model
 from raylane.serving.app import resolve_served_version
+from raylane.serving.generation.engine import GenerationEngine, generate_without_cache
+from raylane.serving.generation.hf_peer import hf_greedy, to_hf_gpt2
+from raylane.serving.generation.loader import load_language_model
+from raylane.serving.generation.quantize import bits_per_byte, quantize_int8, weight_bytes
+from raylane.serving.generation.sampling import SamplingParams
 from raylane.tracking import resolve_tracking_uri
 
 ROOT = Path(__file__).resolve().parents[1]

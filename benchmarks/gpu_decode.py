@@ -9,12 +9,12 @@ import time
 
 import torch
 
-from raylane.generation.engine import GenerationEngine, generate_without_cache
-from raylane.generation.hf_peer import hf_greedy_batch, to_hf_gpt2
-from raylane.generation.next_token import Sampling
-from raylane.generation.placement import place_model
-from raylane.generation.quantize import bits_per_byte, quantize_int8, weight_bytes
 from raylane.parallel.device import synchronize
+from raylane.serving.generation.engine import GenerationEngine, generate_without_cache
+from raylane.serving.generation.hf_peer import hf_greedy_batch, to_hf_gpt2
+from raylane.serving.generation.next_token import Sampling
+from raylane.serving.generation.placement import place_model
+from raylane.serving.generation.quantize import bits_per_byte, quantize_int8, weight_bytes
 
 PROMPT = b"import os\nimport sys\n\n\ndef main(argv):\n    "
 SPECULATE = 4  # draft tokens proposed per step

@@ -10,7 +10,7 @@ import os
 import torch
 from fastapi import FastAPI
 
-from raylane.inference import Predictor
+from raylane.serving.inference import Predictor
 from raylane.serving.protocol import InferenceRequest, logits_to_outputs, tensor_to_rows
 
 torch.set_num_threads(int(os.environ.get("RAYLANE_BENCH_TORCH_THREADS", "1")))

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from fastapi import FastAPI, Request, Response
 
-from raylane.inference import Predictor
+from raylane.serving.inference import Predictor
 from raylane.serving.protocol import ProtocolError, decode_infer, encode_infer
 
 torch.set_num_threads(int(os.environ.get("RAYLANE_BENCH_TORCH_THREADS", "1")))

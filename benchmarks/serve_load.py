@@ -51,10 +51,10 @@ from ray import serve
 from sklearn.datasets import load_digits
 
 from raylane.config import load_config
-from raylane.inference import Predictor
 from raylane.models import build_model
 from raylane.runtime import connect_ray
 from raylane.serving.app import deploy, stop_serve
+from raylane.serving.inference import Predictor
 from raylane.serving.ingress import apply_ingress_env
 from raylane.serving.loadgen import LoadResult, run_load
 from raylane.serving.status import state_name

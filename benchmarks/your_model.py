@@ -42,14 +42,14 @@ from safetensors.torch import save_file
 
 from raylane.config.finetune import FinetuneConfig
 from raylane.data.tokenizer import train_bpe
-from raylane.generation.engine import GenerationEngine
-from raylane.generation.sampling import SamplingParams
-from raylane.generation.tokenizer_codec import load_codec
 from raylane.models.adapters import adapter_state, apply_lora
 from raylane.models.hf_checkpoint import save_pretrained
 from raylane.models.llama import LlamaConfig, LlamaForCausalLM
 from raylane.models.losses import cross_entropy
 from raylane.parallel.base import StrategyDefaults
+from raylane.serving.generation.engine import GenerationEngine
+from raylane.serving.generation.sampling import SamplingParams
+from raylane.serving.generation.tokenizer_codec import load_codec
 
 CONFIG = LlamaConfig(vocab_size=8192, d_model=384, n_layers=8, n_heads=6, n_kv_heads=2,
                      ffn_dim=1024, max_positions=256)  # fmt: skip

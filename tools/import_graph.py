@@ -2,7 +2,7 @@
 same static analysis the layering contract runs on (grimp, under import-linter).
 
     python tools/import_graph.py                      # the parallel layout and what reads it
-    python tools/import_graph.py --packages serving generation
+    python tools/import_graph.py --packages serving
 
 One box per module, grouped by package; an arrow `a --> b` where module a imports b (at the
 top or inside a function: a lazy import is still a dependency). `--packages` picks the

@@ -90,7 +90,7 @@ def test_the_run_records_its_base_and_registers_the_adapter_alone(finetuned, pip
 
 
 def _base_state(outcome, base_cfg, base_outcome) -> dict:
-    from raylane.generation.loader import load_language_model
+    from raylane.serving.generation.loader import load_language_model
 
     base, _ = load_language_model(
         outcome.tracking_uri, base_cfg.tracking.registered_model, base_outcome.model_version
@@ -99,7 +99,7 @@ def _base_state(outcome, base_cfg, base_outcome) -> dict:
 
 
 def test_the_adapter_loads_onto_its_untouched_base_and_changes_the_model(finetuned, pipeline_run):
-    from raylane.generation.loader import load_language_model
+    from raylane.serving.generation.loader import load_language_model
 
     cfg, outcome = finetuned
     base_state = _base_state(outcome, *pipeline_run)
@@ -207,8 +207,8 @@ def _register_adapter(cfg, base_tags: dict, seed: int):
 
     from raylane.config.loader import config_to_yaml
     from raylane.data.text import stdlib_source_files, token_windows
-    from raylane.generation.loader import load_language_model
     from raylane.models.adapters import apply_lora
+    from raylane.serving.generation.loader import load_language_model
     from raylane.tracking.lineage import register_adapter
     from raylane.tracking.runs import CONFIG_ARTIFACT
 
@@ -269,9 +269,9 @@ def _reference(tracking_uri: str, name: str, version: int, prompt: str, max_toke
     """The registered model's (an adapter merged into its base) own cache-free text, sampled
     as `SAMPLING` asks (a seeded draw: the same tokens when the distributions are the same,
     and different models' distributions differ where greedy picks may not)."""
-    from raylane.generation.engine import generate_without_cache
-    from raylane.generation.loader import load_language_model
-    from raylane.generation.sampling import SamplingParams
+    from raylane.serving.generation.engine import generate_without_cache
+    from raylane.serving.generation.loader import load_language_model
+    from raylane.serving.generation.sampling import SamplingParams
 
     model, _ = load_language_model(tracking_uri, name, version)
     params = SamplingParams(max_tokens=max_tokens, **SAMPLING)
@@ -399,7 +399,7 @@ def test_compare_and_reproduce_read_the_base_and_its_present_weights(finetuned, 
 
 
 def test_a_served_adapter_version_is_merged_or_kept_beside_its_base(finetuned, pipeline_run):
-    from raylane.generation.loader import load_generation_model, load_language_model
+    from raylane.serving.generation.loader import load_generation_model, load_language_model
 
     _, outcome = finetuned
     merged = load_generation_model(outcome.tracking_uri, ADAPTED, outcome.model_version)

@@ -23,10 +23,10 @@ import torch
 
 from raylane.config import load_config
 from raylane.config.loader import config_to_yaml
-from raylane.generation.engine import generate_without_cache
-from raylane.generation.loader import load_language_model
-from raylane.generation.sampling import SamplingParams
 from raylane.models import build_model
+from raylane.serving.generation.engine import generate_without_cache
+from raylane.serving.generation.loader import load_language_model
+from raylane.serving.generation.sampling import SamplingParams
 from raylane.tracking.runs import CONFIG_ARTIFACT, log_trained_model
 
 from .conftest import REFERENCE, ROOT, free_port, lm_overrides

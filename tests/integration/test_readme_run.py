@@ -402,9 +402,9 @@ class TestOnARunningCluster:
         import ast
         import time
 
-        from raylane.generation.engine import generate_without_cache
-        from raylane.generation.loader import load_language_model
-        from raylane.generation.sampling import SamplingParams
+        from raylane.serving.generation.engine import generate_without_cache
+        from raylane.serving.generation.loader import load_language_model
+        from raylane.serving.generation.sampling import SamplingParams
 
         deployed = run_block(YOUR_MODEL_DEPLOY, copy, env, timeout_s=300)
         try:
@@ -481,9 +481,9 @@ class TestOnARunningCluster:
         # The text is the registered model's own seeded draw (the cache-free reference with
         # the command's defaults), not only the echoed prompt; compared on its ASCII
         # characters, since a stray byte decodes to U+FFFD once here and per piece when streamed.
-        from raylane.generation.engine import generate_without_cache
-        from raylane.generation.loader import load_language_model
-        from raylane.generation.sampling import SamplingParams
+        from raylane.serving.generation.engine import generate_without_cache
+        from raylane.serving.generation.loader import load_language_model
+        from raylane.serving.generation.sampling import SamplingParams
 
         model, _ = load_language_model(f"sqlite:///{copy}/mlflow.db", "raylane-lm-serve", 1)
         params = SamplingParams(max_tokens=128, temperature=0.8, seed=0)

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from raylane.config import load_config
 from raylane.config.layout import replicas
 from raylane.data.parquet import read_rows
-from raylane.inference.predictor import Predictor
+from raylane.serving.inference.predictor import Predictor
 from raylane.tracking.identity import weights_digest
 from raylane.train.job import run_training
 

@@ -129,9 +129,9 @@ def _merged(state: dict, lora: FinetuneConfig) -> GPT:
 
 
 def test_one_base_serves_several_adapters_in_one_batch_as_their_merged_models():
-    from raylane.generation.engine import GenerationEngine, generate_without_cache
-    from raylane.generation.sampling import SamplingParams
     from raylane.models.multi_lora import AdapterCapacityError
+    from raylane.serving.generation.engine import GenerationEngine, generate_without_cache
+    from raylane.serving.generation.sampling import SamplingParams
 
     first = _trained_adapter(1, target_modules=["q", "v"])
     second = _trained_adapter(2, rank=8, alpha=8.0, target_modules=["k", "proj", "mlp.0"])

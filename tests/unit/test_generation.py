@@ -9,10 +9,14 @@ import torch
 from pydantic import ValidationError
 
 from raylane.config.serving import GenerationConfig
-from raylane.generation.engine import MAX_MODEL_LEN, GenerationEngine, generate_without_cache
-from raylane.generation.sampling import SamplingParams, sample
 from raylane.models.gpt import GPT
 from raylane.models.kv_cache import KVCache
+from raylane.serving.generation.engine import (
+    MAX_MODEL_LEN,
+    GenerationEngine,
+    generate_without_cache,
+)
+from raylane.serving.generation.sampling import SamplingParams, sample
 
 CONTEXT = 48
 
@@ -197,7 +201,7 @@ def test_the_replica_loop_streams_requests_together_and_frees_a_slot_its_reader_
 
 
 def test_transformers_gpt2_with_the_same_weights_generates_the_same_tokens(model):
-    from raylane.generation.hf_peer import hf_greedy, to_hf_gpt2
+    from raylane.serving.generation.hf_peer import hf_greedy, to_hf_gpt2
 
     peer = to_hf_gpt2(model)
     prompt = _prompt(10, 6)
@@ -224,7 +228,7 @@ def test_speculative_decoding_keeps_greedy_output_and_accepts_repeats(model):
 
 
 def test_a_verified_proposal_leaves_the_sampling_distribution_unchanged():
-    from raylane.generation.sampling import probabilities, verify
+    from raylane.serving.generation.sampling import probabilities, verify
 
     logits = torch.log(torch.tensor([0.1, 0.6, 0.3]))
     params = SamplingParams(temperature=1.0)
@@ -280,7 +284,7 @@ def test_a_draft_sampled_request_repeats_with_its_seed(model):
 
 
 def test_a_drafted_token_verified_against_its_draft_distribution_keeps_the_target_distribution():
-    from raylane.generation.sampling import probabilities, verify
+    from raylane.serving.generation.sampling import probabilities, verify
 
     logits = torch.log(torch.tensor([0.1, 0.6, 0.3]))
     draft = torch.tensor([0.5, 0.2, 0.3])  # far from the target: many corrections

@@ -15,11 +15,11 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from raylane.generation.engine import GenerationEngine, generate_without_cache
-from raylane.generation.next_token import Sampling
-from raylane.generation.placement import place_model, serving_device
 from raylane.models.gpt import GPT
 from raylane.models.kv_cache import KVCache
+from raylane.serving.generation.engine import GenerationEngine, generate_without_cache
+from raylane.serving.generation.next_token import Sampling
+from raylane.serving.generation.placement import place_model, serving_device
 
 CONTEXT = 64
 GREEDY = Sampling(max_tokens=20, temperature=0)
@@ -59,7 +59,7 @@ def test_a_batch_of_greedy_and_seeded_requests_draws_what_each_draws_alone():
 
 
 def test_prompts_admitted_together_are_prefilled_in_one_forward_as_transformers_decodes_them():
-    from raylane.generation.hf_peer import hf_greedy, to_hf_gpt2
+    from raylane.serving.generation.hf_peer import hf_greedy, to_hf_gpt2
 
     model = _model(1)
     prompts = [_prompt(seed, length) for seed, length in ((4, 1), (5, 9), (6, 3), (7, 17))]
@@ -201,7 +201,7 @@ def test_int8_weights_decode_on_their_device_in_either_dtype():
 def test_a_registered_export_moves_with_the_devices_its_graph_was_traced_with():
     """MLflow loads a pt2 model where it was exported and cannot move it; the GPT's graph
     holds `arange(..., device=cpu)`. Moved to the meta device, nothing stays on the host."""
-    from raylane.inference.predictor import move_exported
+    from raylane.serving.inference.predictor import move_exported
 
     model, tokens = _model(), torch.randint(0, 256, (2, 16), device="cpu")
     batch = torch.export.Dim("batch")
@@ -258,7 +258,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 @pytest.mark.gpu
 @CUDA
 def test_on_cuda_the_engine_decodes_what_the_cpu_and_transformers_decode():
-    from raylane.generation.hf_peer import hf_greedy, to_hf_gpt2
+    from raylane.serving.generation.hf_peer import hf_greedy, to_hf_gpt2
     from tests.unit.test_adapters import _scaled, _trained_adapter
 
     cpu = _model()

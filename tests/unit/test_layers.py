@@ -11,7 +11,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 LINT = Path(sys.executable).parent / "lint-imports"
 PLAN = "plan: a pure planner, without torch, Ray or what runs on them"
-SERVING = "serving, generation and inference: no training code"
+SERVING = "serving, its engine and inference: no training code"
+SERVING_LAYERS = "serving: the Serve application above its engine above inference"
 TRACKING = "tracking: no training code"
 
 
@@ -36,7 +37,7 @@ def _copy_with(tmp_path: Path, additions: dict[str, str]) -> Path:
     subprocess.run(["cp", "-r", str(ROOT / "platform"), str(copy)], check=True)
     for name, text in additions.items():
         module = copy / "raylane" / name
-        module.write_text(module.read_text() + text)
+        module.write_text((module.read_text() if module.exists() else "") + text)
     return copy
 
 
@@ -53,17 +54,16 @@ def test_the_forbidden_contracts_name_what_each_part_must_not_import():
     plan = contracts[PLAN]
     assert (plan["type"], plan["source_modules"]) == ("forbidden", ["raylane.plan"])
     assert set(plan["forbidden_modules"]) == {
-        "raylane.train", "raylane.serving", "raylane.generation", "raylane.inference",
-        "raylane.tune", "raylane.profile", "raylane.parallel", "torch", "ray",
+        "raylane.train", "raylane.serving", "raylane.tune", "raylane.profile", "raylane.parallel",
+        "torch", "ray",
     }  # fmt: skip
     serving = contracts[SERVING]
     assert serving["type"] == "forbidden"
-    assert set(serving["source_modules"]) == {
-        "raylane.serving",
-        "raylane.generation",
-        "raylane.inference",
-    }
+    assert serving["source_modules"] == ["raylane.serving"]  # the engine and inference with it
     assert serving["forbidden_modules"] == ["raylane.train"]
+    inside = contracts[SERVING_LAYERS]
+    assert (inside["containers"], inside["exhaustive"]) == (["raylane.serving"], True)
+    assert inside["layers"][1:] == ["generation", "inference"]
     tracking = contracts[TRACKING]
     assert (tracking["type"], tracking["source_modules"]) == ("forbidden", ["raylane.tracking"])
     assert tracking["forbidden_modules"] == ["raylane.train"]
@@ -92,7 +92,8 @@ def test_a_lower_layer_importing_a_higher_one_breaks_the_contracts(tmp_path):
 def test_the_planner_importing_torch_ray_or_the_strategies_breaks_its_contract(tmp_path):
     # Imports inside functions count: the planner may not reach torch even lazily. The planner
     # importing the strategies and serving importing the train loop are allowed by the layers'
-    # order, not by their own contracts.
+    # order, not by their own contracts. Inside serving, the engine may not import the Serve
+    # application, and a new module must be given its layer.
     lazy = "\n\ndef _later():\n    import {}  # noqa\n"
     copy = _copy_with(
         tmp_path,
@@ -101,17 +102,22 @@ def test_the_planner_importing_torch_ray_or_the_strategies_breaks_its_contract(t
             "plan/ring.py": lazy.format("ray"),
             "plan/search.py": "\nfrom raylane.parallel import mesh  # noqa\n",
             "serving/guard.py": "\nfrom raylane.train import loop  # noqa\n",
+            "serving/generation/engine.py": "\nfrom raylane.serving import metrics  # noqa\n",
+            "serving/unplaced.py": "",
         },
     )
     done = _lint(copy, tmp_path)
     assert done.returncode == 1, done.stdout + done.stderr
     assert f"{PLAN} BROKEN" in done.stdout and f"{SERVING} BROKEN" in done.stdout
+    assert f"{SERVING_LAYERS} BROKEN" in done.stdout
+    assert "raylane.serving.unplaced" in done.stdout  # not in any layer of the exhaustive ones
     assert "raylane layers KEPT" in done.stdout
     for line in (
         "raylane.plan.cost -> torch",
         "raylane.plan.ring -> ray",
         "raylane.plan.search -> raylane.parallel.mesh",
         "raylane.serving.guard -> raylane.train.loop",
+        "raylane.serving.generation.engine -> raylane.serving.metrics",
     ):
         assert line in done.stdout, line
 

@@ -10,12 +10,12 @@ import mlflow
 import pytest
 import torch
 
-from raylane.generation.engine import GenerationEngine
-from raylane.generation.loader import load_generation_model
-from raylane.generation.sampling import SamplingParams
-from raylane.generation.tokenizer_codec import TokenizerCodec, load_codec
 from raylane.models.hf_checkpoint import load_pretrained
 from raylane.models.llama import LlamaForCausalLM
+from raylane.serving.generation.engine import GenerationEngine
+from raylane.serving.generation.loader import load_generation_model
+from raylane.serving.generation.sampling import SamplingParams
+from raylane.serving.generation.tokenizer_codec import TokenizerCodec, load_codec
 from raylane.tracking.checkpoints_hf import import_checkpoint
 from tests.unit.conftest import CHECKPOINT
 

@@ -23,11 +23,11 @@ import pytest
 import torch
 from torch import nn
 
-from raylane.generation.engine import GenerationEngine
-from raylane.generation.next_token import Sampling
-from raylane.generation.placement import place_model
-from raylane.generation.quantize import weight_bytes
 from raylane.models.gpt import GPT
+from raylane.serving.generation.engine import GenerationEngine
+from raylane.serving.generation.next_token import Sampling
+from raylane.serving.generation.placement import place_model
+from raylane.serving.generation.quantize import weight_bytes
 
 pytest.importorskip("torchao")
 

@@ -1,7 +1,7 @@
 """Speculative decoding of a Llama-family checkpoint with a smaller draft checkpoint of the same
 tokenizer, both Hugging Face directories read as a replica reads an imported version (its
 model and draft through `load_pretrained`, each codec through `load_codec`: what
-`raylane.generation.loader` does with the directory `raylane export` writes for a `raylane
+`raylane.serving.generation.loader` does with the directory `raylane export` writes for a `raylane
 import`); a draft of another tokenizer is refused in one line."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import shutil
 import pytest
 import torch
 
-from raylane.generation.engine import GenerationEngine
-from raylane.generation.sampling import SamplingParams
-from raylane.generation.text_codec import BYTES
-from raylane.generation.tokenizer_codec import TokenizerCodec, load_codec
 from raylane.models.hf_checkpoint import load_pretrained, save_pretrained
 from raylane.models.llama import LlamaConfig, LlamaForCausalLM
+from raylane.serving.generation.engine import GenerationEngine
+from raylane.serving.generation.sampling import SamplingParams
+from raylane.serving.generation.text_codec import BYTES
+from raylane.serving.generation.tokenizer_codec import TokenizerCodec, load_codec
 from tests.unit.conftest import CHECKPOINT
 
 NEW = 32

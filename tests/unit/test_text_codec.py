@@ -10,8 +10,8 @@ import shutil
 import pytest
 
 from raylane.data.tokenizer import END_OF_TEXT, train_bpe
-from raylane.generation.text_codec import BYTES, IncrementalDetokenizer
-from raylane.generation.tokenizer_codec import load_codec
+from raylane.serving.generation.text_codec import BYTES, IncrementalDetokenizer
+from raylane.serving.generation.tokenizer_codec import load_codec
 from raylane.serving.openai_protocol import ChatCompletionRequest, TextStream
 from tests.unit.conftest import CHECKPOINT
 

@@ -24,9 +24,9 @@ from raylane.cli.running import user_mistakes
 from raylane.tracking import resolve_tracking_uri
 
 # torch and MLflow: loaded once the arguments and config are checked.
-engine_module = deferred("raylane.generation.engine")
-loader = deferred("raylane.generation.loader")
-sampling = deferred("raylane.generation.sampling")
+engine_module = deferred("raylane.serving.generation.engine")
+loader = deferred("raylane.serving.generation.loader")
+sampling = deferred("raylane.serving.generation.sampling")
 serve_app = deferred("raylane.serving.app")
 openai_protocol = deferred("raylane.serving.openai_protocol")
 

@@ -53,7 +53,7 @@ class GenerationConfig(StrictModel):
         16, ge=1, description="Tokens (bytes) generated when a request does not say."
     )
     max_model_len: int = Field(
-        8192,  # raylane.generation.engine.MAX_MODEL_LEN (that module runs without pydantic)
+        8192,  # raylane.serving.generation.engine.MAX_MODEL_LEN (that module runs without pydantic)
         ge=2,
         le=1_048_576,
         description="The longest context a sequence may use (prompt and output), and so the "

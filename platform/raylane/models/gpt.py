@@ -147,7 +147,7 @@ class GPT(nn.Module):
         """Logits of `tokens` `[n, new]` placed in `cache` where `step` says (a `CacheStep`),
         their keys and values written there; the cache's lengths are the caller's to advance.
         Nothing is read back to the host, so a fixed-shape step can be captured in a CUDA
-        graph (`raylane.generation.static_decode`).
+        graph (`raylane.serving.generation.static_decode`).
 
         Raises:
             ValueError: for a pipeline stage (no embedding or head).

@@ -13,9 +13,9 @@ from __future__ import annotations
 import asyncio
 import re
 
-from raylane.generation.loader import load_served_adapter
 from raylane.models.multi_lora import AdapterCapacityError
 from raylane.serving.errors import ProtocolError
+from raylane.serving.generation.loader import load_served_adapter
 
 _ADAPTER = re.compile(r"^(?P<name>[^/:@]+)/(?P<version>[1-9][0-9]*)$")
 
@@ -29,7 +29,7 @@ class AdapterDirectory:
     ):  # fmt: skip
         self.model_name = model_name
         self.max_adapters = max_adapters
-        self.served = served  # raylane.generation.loader.GenerationModel
+        self.served = served  # raylane.serving.generation.loader.GenerationModel
         self.loop = loop  # raylane.serving.generation_loop.GenerationLoop
         self.tracking_uri = tracking_uri
         self.retry_after_s = retry_after_s

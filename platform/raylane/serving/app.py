@@ -134,7 +134,7 @@ def check_draft_model(cfg: RaylaneConfig, tracking_uri: str, version: int) -> No
     if uri is None:
         return
     # torch-heavy (the speculative decoder's module): loaded only when a draft is named
-    from raylane.generation.speculative import draft_mismatch
+    from raylane.serving.generation.speculative import draft_mismatch
 
     ref = parse_model_uri(uri)
     client = MlflowClient(tracking_uri=tracking_uri)

@@ -121,8 +121,8 @@ class InferenceServer:
         # lazy: torch; the deploying process builds the app without loading it
         import torch
 
-        from raylane.generation.placement import serving_device  # lazy: torch, as above
-        from raylane.inference import Predictor  # lazy: torch, as above
+        from raylane.serving.generation.placement import serving_device  # lazy: torch, as above
+        from raylane.serving.inference import Predictor  # lazy: torch, as above
 
         torch.set_num_threads(torch_threads)
         GUARD.key_digest = api_key_digest

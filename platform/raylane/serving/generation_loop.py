@@ -13,8 +13,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from raylane.generation.engine import Event, GenerationEngine, Sequence
-from raylane.generation.sampling import SamplingParams
+from raylane.serving.generation.engine import Event, GenerationEngine, Sequence
+from raylane.serving.generation.sampling import SamplingParams
 
 
 @dataclass

@@ -4,13 +4,13 @@ API (`/v1/completions`, `/v1/chat/completions`, `/v1/models`, server-sent events
 (`/v2/models/{name}/generate`, `/generate_stream`).
 
 Each replica loads one registry version and decodes with a KV cache under continuous batching
-(`raylane.generation.engine`, `raylane.serving.generation_loop`): `serving.generation
+(`raylane.serving.generation.engine`, `raylane.serving.generation_loop`): `serving.generation
 .max_num_seqs` sequences decode together; more wait for a slot, and past Serve's queue bound a
 request gets 503 with Retry-After. The API-key guard and body limit are the inference routes'.
 A replica given GPUs (`serving.replica_gpus`) holds its model, draft, cache and adapters on its
-CUDA device, in `serving.dtype` (`raylane.generation.placement`).
+CUDA device, in `serving.dtype` (`raylane.serving.generation.placement`).
 
-Text goes through the served version's codec (`raylane.generation.text_codec`): bytes for a
+Text goes through the served version's codec (`raylane.serving.generation.text_codec`): bytes for a
 byte-level GPT, its own tokenizer for a Llama-family model, whose chat template (when its
 tokenizer_config.json has one) renders `/v1/chat/completions` conversations.
 """
@@ -27,11 +27,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 import raylane
-from raylane.generation.engine import MAX_MODEL_LEN, GenerationEngine
-from raylane.generation.loader import load_draft_model, load_generation_model
-from raylane.generation.placement import place_model, serving_device
 from raylane.serving.adapter_routing import AdapterDirectory
 from raylane.serving.errors import ProtocolError, route_path
+from raylane.serving.generation.engine import MAX_MODEL_LEN, GenerationEngine
+from raylane.serving.generation.loader import load_draft_model, load_generation_model
+from raylane.serving.generation.placement import place_model, serving_device
 from raylane.serving.generation_loop import GenerationLoop
 from raylane.serving.guard import GuardSettings, RequestGuard
 from raylane.serving.metrics import GenerationMetrics

@@ -9,7 +9,7 @@ version and weights digest, and lists the base's logged model as an MLflow model
 A LoRA run registers only its adapter: `adapter/adapter.safetensors` (the LoRA tensors) and
 `adapter/adapter.json` (its `finetune:` settings and base) as the version's source, the version
 tagged `raylane.base_model` / `raylane.base_version` / `raylane.adapter`. Loading it
-(`raylane.generation.loader.load_language_model`) rebuilds the base, adapts it the same way
+(`raylane.serving.generation.loader.load_language_model`) rebuilds the base, adapts it the same way
 and loads the adapter. A resumed or reproduced run uses the base version its record names
 (`pinned_base`), never what an alias points to now, and checks its weights digest.
 """

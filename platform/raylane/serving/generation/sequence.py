@@ -2,7 +2,7 @@
 hands out (text held back while it might still be the start of a stop sequence).
 
 The output is token ids; its text comes from the sequence's `Detokenizer`
-(`raylane.generation.text_codec`): bytes for the byte-level GPT (its tokens are bytes), text
+(`raylane.serving.generation.text_codec`): bytes for the byte-level GPT (its tokens are bytes), text
 for a model with a tokenizer. Stop sequences are matched on that text, and an end-of-sequence
 id ends the output without adding text.
 """
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from raylane.generation.next_token import SamplingFields
-from raylane.generation.text_codec import BYTES, Detokenizer, TextCodec
+from raylane.serving.generation.next_token import SamplingFields
+from raylane.serving.generation.text_codec import BYTES, Detokenizer, TextCodec
 
 
 @dataclass(eq=False)

@@ -5,7 +5,7 @@ The dynamic step (`ModelRunner.decode`) sizes its tensors to the running batch a
 prefix, so its shapes change every step and its plan is worked out on the host. This step
 always computes all `max_num_seqs` slots over all `max_len` positions: more arithmetic (free
 slots and masked positions), but nothing to plan and nothing read back, so the whole forward
-can be captured once in a CUDA graph and replayed (`raylane.generation.cuda_graph`): a token
+can be captured once in a CUDA graph and replayed (`raylane.serving.generation.cuda_graph`): a token
 then costs the GPU's time, not Python's. On the CPU it runs eagerly and decodes the same greedy
 tokens as the dynamic step (masked positions add exact zeros).
 """

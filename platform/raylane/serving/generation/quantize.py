@@ -8,7 +8,7 @@ embeddings are a large share (two 256 x d tables beside 12·d² per block): with
 weights shrink to 0.33 of fp32's, with them in int8 to 0.27. The model stays a plain module:
 KV-cache decoding and continuous batching run on it unchanged.
 
-Quantize after the model is on its device and in its dtype (`raylane.generation.placement`):
+Quantize after the model is on its device and in its dtype (`raylane.serving.generation.placement`):
 torchao quantizes each weight where it is, so the int8 data and scales are made on the GPU, and
 scales follow the weights' dtype (bf16 activations with int8 weights are torchao's own case).
 """

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from raylane.generation.quantize import quantize_int8
+from raylane.serving.generation.quantize import quantize_int8
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -1,15 +1,15 @@
 """A generation request's sampling settings, validated (greedy, or sampled with temperature,
 top-k and top-p from a seeded generator so a request repeats exactly).
 
-How tokens are then chosen is `raylane.generation.next_token` (torch only); its functions are
-re-exported here for the callers that import them from this module.
+How tokens are then chosen is `raylane.serving.generation.next_token` (torch only); its functions
+are re-exported here for the callers that import them from this module.
 """
 
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from raylane.generation.next_token import is_greedy, probabilities, sample, verify
+from raylane.serving.generation.next_token import is_greedy, probabilities, sample, verify
 
 __all__ = ["SamplingParams", "probabilities", "sample", "verify"]
 

@@ -1,5 +1,5 @@
 """A registered language model as a plain module that can decode with a KV cache, and the
-codec of its text (`raylane.generation.text_codec`).
+codec of its text (`raylane.serving.generation.text_codec`).
 
 A byte-level `GPT` (`model.kind: gpt`): the registry holds it as a torch.export program
 (MLflow's pt2 format), which keeps the training's parameter names but not the module's methods.
@@ -24,12 +24,12 @@ from mlflow.tracking import MlflowClient
 
 from raylane.config.finetune import FinetuneConfig
 from raylane.config.model_uri import parse_model_uri
-from raylane.generation.model_shape import context_length, vocabulary
-from raylane.generation.text_codec import BYTES, TextCodec
-from raylane.generation.tokenizer_codec import load_codec
 from raylane.models import build_model
 from raylane.models.adapters import apply_lora, load_adapter, merge_adapters
 from raylane.models.hf_checkpoint import load_pretrained
+from raylane.serving.generation.model_shape import context_length, vocabulary
+from raylane.serving.generation.text_codec import BYTES, TextCodec
+from raylane.serving.generation.tokenizer_codec import load_codec
 from raylane.tracking.checkpoints_hf import HF_KIND, KIND_TAG, Exported, export_model
 from raylane.tracking.lineage import adapter_of, recorded_model_config, registered_state
 from raylane.tracking.registry import resolve_version

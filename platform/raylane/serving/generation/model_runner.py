@@ -1,10 +1,10 @@
 """The engine's model side: the target model, its KV cache and its adapters on one device.
 
-The scheduler (`raylane.generation.engine`) decides which sequences run; the runner turns them
-into tensors on the model's device (from host lists, copied without waiting: `ints_on`), runs
-the forward and chooses the next tokens there. Nothing is read back here: each forward returns
-a `Launch`, and the step reads the tokens of all its launches back in one host sync
-(`read_back`), as vLLM's model runner hands sampled ids back once per step.
+The scheduler (`raylane.serving.generation.engine`) decides which sequences run; the runner turns
+them into tensors on the model's device (from host lists, copied without waiting: `ints_on`), runs
+the forward and chooses the next tokens there. Nothing is read back here: each forward returns a
+`Launch`, and the step reads the tokens of all its launches back in one host sync (`read_back`), as
+vLLM's model runner hands sampled ids back once per step.
 
 Prompts admitted together are prefilled in one forward, right-padded to the longest: empty
 slots attend causally among their own tokens (SDPA's `is_causal`, no mask), so a padded row's
@@ -13,9 +13,10 @@ a boolean mask. On CUDA these forwards run without the cuDNN attention backend, 
 execution plan for every new shape (a decode step's prefix grows by one token each step).
 
 Decode steps take one of three paths (`decode`): 'dynamic' (shapes follow the running batch),
-'static' (every slot over the whole buffer, fixed shapes: `raylane.generation.static_decode`)
-or 'cuda_graph' (that step captured once and replayed: `raylane.generation.cuda_graph`). Steps
-with a sequence through a LoRA adapter always run the dynamic path.
+'static' (every slot over the whole buffer, fixed shapes:
+`raylane.serving.generation.static_decode`) or 'cuda_graph' (that step captured once and replayed:
+`raylane.serving.generation.cuda_graph`). Steps with a sequence through a LoRA adapter always run
+the dynamic path.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ from typing import Literal
 
 import torch
 
-from raylane.generation.cuda_graph import GraphedDecode
-from raylane.generation.model_shape import new_cache
-from raylane.generation.next_token import choose_tokens
-from raylane.generation.sequence import Sequence
-from raylane.generation.static_decode import StaticDecode
 from raylane.models.kv_cache import cache_attention_kernels, ints_on, placement
 from raylane.models.multi_lora import AdapterSet
+from raylane.serving.generation.cuda_graph import GraphedDecode
+from raylane.serving.generation.model_shape import new_cache
+from raylane.serving.generation.next_token import choose_tokens
+from raylane.serving.generation.sequence import Sequence
+from raylane.serving.generation.static_decode import StaticDecode
 
 Decode = Literal["dynamic", "static", "cuda_graph"]
 

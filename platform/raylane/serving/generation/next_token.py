@@ -3,7 +3,7 @@ top-k and top-p (nucleus), from a seeded generator so a request repeats exactly.
 
 Torch only (no pydantic): `benchmarks/gpu.py` drives the engine on a machine that has torch
 and nothing else, with `Sampling`; a served request's fields are validated first by
-`raylane.generation.sampling.SamplingParams`, which the engine reads the same way.
+`raylane.serving.generation.sampling.SamplingParams`, which the engine reads the same way.
 
 Nothing here reads a value back to the host unless it returns a Python number: the engine
 chooses the tokens of a whole batch on the device (`choose_tokens`) and reads them back once

@@ -2,8 +2,8 @@
 
 Two codecs: `BYTES`, the byte-level GPT's (a prompt's UTF-8 bytes are its tokens, the text a
 sequence releases is bytes, decoded by the server as a UTF-8 stream), and
-`raylane.generation.tokenizer_codec.TokenizerCodec`, a Hugging Face `tokenizer.json` with the
-end-of-sequence ids and chat template of the checkpoint around it (a Llama-family model's own
+`raylane.serving.generation.tokenizer_codec.TokenizerCodec`, a Hugging Face `tokenizer.json` with
+the end-of-sequence ids and chat template of the checkpoint around it (a Llama-family model's own
 tokenizer). This module needs nothing but the standard library: the engine imports it, and runs
 where only torch is installed (`benchmarks/gpu.py`).
 

@@ -1,4 +1,4 @@
-"""A Llama-family model's own tokenizer as a text codec (`raylane.generation.text_codec`): a
+"""A Llama-family model's own tokenizer as a text codec (`raylane.serving.generation.text_codec`): a
 Hugging Face `tokenizer.json` read by the data path (`raylane.data.tokenizer`), the ids that end
 a generation, and the chat template of the checkpoint's tokenizer_config.json, compiled by the
 data path's `ChatTemplate` and rendered for a reply as `transformers` renders it.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from raylane.data.chat import BadRow, ChatTemplate
 from raylane.data.tokenizer import Tokenizer, load_tokenizer, single_threaded
-from raylane.generation.text_codec import IncrementalDetokenizer
+from raylane.serving.generation.text_codec import IncrementalDetokenizer
 
 
 @dataclass(frozen=True)

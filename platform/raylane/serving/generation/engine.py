@@ -7,16 +7,15 @@ leaves as soon as it finishes (its slot is free from the next step on), so short
 generations share the batch without the short ones waiting for the long ones. `abort` frees a
 slot at once (a client that went away).
 
-The engine is the scheduler; `raylane.generation.model_runner` runs the model on its device and
-`raylane.generation.speculative` proposes and checks tokens. A step reads its tokens back from
-the device once, for all its forwards together (not once per sequence and token): on a GPU the
-host would otherwise wait for every forward in turn.
+The engine is the scheduler; `raylane.serving.generation.model_runner` runs the model on its device
+and `raylane.serving.generation.speculative` proposes and checks tokens. A step reads its tokens
+back from the device once, for all its forwards together (not once per sequence and token): on a GPU
+the host would otherwise wait for every forward in turn.
 
-Prompts and outputs are token ids; the engine's `codec` (`raylane.generation.text_codec`) says
-what they are: bytes for the byte-level GPT (the text a sequence releases is bytes), a
-tokenizer's ids for a Llama-family model (its text is decoded incrementally, and its
-end-of-sequence ids end a generation). Text is held back while it might still be the start of a
-stop sequence.
+Prompts and outputs are token ids; the engine's `codec` (`raylane.serving.generation.text_codec`)
+says what they are: bytes for the byte-level GPT (the text a sequence releases is bytes), a
+tokenizer's ids for a Llama-family model (its text is decoded incrementally, and its end-of-sequence
+ids end a generation). Text is held back while it might still be the start of a stop sequence.
 """
 
 from __future__ import annotations
@@ -26,18 +25,18 @@ from collections import Counter, deque
 
 import torch
 
-from raylane.generation.model_runner import Decode, Launch, ModelRunner, read_back
-from raylane.generation.model_shape import context_length
-from raylane.generation.next_token import SamplingFields, request_generator, sample
-from raylane.generation.sequence import Event, Sequence
-from raylane.generation.speculative import (
+from raylane.models.kv_cache import ints_on, placement
+from raylane.serving.generation.model_runner import Decode, Launch, ModelRunner, read_back
+from raylane.serving.generation.model_shape import context_length
+from raylane.serving.generation.next_token import SamplingFields, request_generator, sample
+from raylane.serving.generation.sequence import Event, Sequence
+from raylane.serving.generation.speculative import (
     DraftProposer,
     Speculator,
     check_draft,
     propose_ngram,
 )
-from raylane.generation.text_codec import BYTES, TextCodec
-from raylane.models.kv_cache import ints_on, placement
+from raylane.serving.generation.text_codec import BYTES, TextCodec
 
 #: The longest context a sequence may use by default, and so the KV cache's length per slot: a
 #: checkpoint's whole context (128k positions for Llama 3.1) would take gigabytes per slot.
@@ -56,25 +55,25 @@ __all__ = [
 
 class GenerationEngine:
     """A whole `raylane.models.gpt.GPT` or `raylane.models.llama.LlamaForCausalLM` in eval
-    mode with `max_num_seqs` cache slots, on the model's device and in its dtype (place the
-    model first: `raylane.generation.placement`). `codec` turns its ids into text (`BYTES` for
-    the GPT, a `TokenizerCodec` for a Llama); `max_model_len` caps the context a sequence may
-    use, and so the cache (the model's context when shorter).
+    mode with `max_num_seqs` cache slots, on the model's device and in its dtype (place the model
+    first: `raylane.serving.generation.placement`). `codec` turns its ids into text (`BYTES` for the
+    GPT, a `TokenizerCodec` for a Llama); `max_model_len` caps the context a sequence may use, and
+    so the cache (the model's context when shorter).
 
-    With `speculate=k`, each decode step is speculative (`raylane.generation.speculative`):
+    With `speculate=k`, each decode step is speculative (`raylane.serving.generation.speculative`):
     proposals from a `draft` model when one is given (on the model's device), else from prompt
     lookup. Greedy output is the plain output; sampled output keeps its distribution. A
     `draft_codec` (the draft's own, as its registered version was loaded) is checked to give
-    the same text the same ids as `codec` (`raylane.generation.speculative.codec_mismatch`).
+    the same text the same ids as `codec` (`raylane.serving.generation.speculative.codec_mismatch`).
 
     With `max_adapters > 0`, `adapters` holds that many LoRA adapters of the model
     (`raylane.models.multi_lora`) and each sequence decodes through its own (`add(adapter=)`),
     sequences of different adapters in the same batched forward. The draft proposes without
     adapters; the adapted model checks its proposals, so output is still the adapted model's.
 
-    `decode` picks the plain decode step's path (`raylane.generation.model_runner`): 'dynamic',
-    'static' (fixed shapes) or 'cuda_graph' (fixed shapes replayed from a CUDA graph); the
-    last two serve plain decoding only (speculate 0).
+    `decode` picks the plain decode step's path (`raylane.serving.generation.model_runner`):
+    'dynamic', 'static' (fixed shapes) or 'cuda_graph' (fixed shapes replayed from a CUDA graph);
+    the last two serve plain decoding only (speculate 0).
     """
 
     def __init__(

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import torch
 
-from raylane.generation.model_runner import Launch, ModelRunner
-from raylane.generation.model_shape import context_length, new_cache, vocabulary
-from raylane.generation.next_token import probabilities, sample, verify
-from raylane.generation.sequence import Sequence
-from raylane.generation.text_codec import TextCodec
 from raylane.models.kv_cache import cache_attention_kernels, ints_on, placement
+from raylane.serving.generation.model_runner import Launch, ModelRunner
+from raylane.serving.generation.model_shape import context_length, new_cache, vocabulary
+from raylane.serving.generation.next_token import probabilities, sample, verify
+from raylane.serving.generation.sequence import Sequence
+from raylane.serving.generation.text_codec import TextCodec
 
 
 def propose_ngram(tokens: list[int], k: int, longest: int = 3) -> list[int]:

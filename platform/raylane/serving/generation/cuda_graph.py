@@ -1,4 +1,4 @@
-"""The fixed-shape decode step (`raylane.generation.static_decode`) captured in a CUDA graph
+"""The fixed-shape decode step (`raylane.serving.generation.static_decode`) captured in a CUDA graph
 (`serving.cuda_graphs: true`): one replay launches the whole forward, so a decode token no
 longer waits for Python to launch some hundred kernels (measured on an H200 before this step
 existed: 5.2 ms per token at batch 1 with the dynamic step, 0.94 ms with a captured one).
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from raylane.generation.static_decode import StaticDecode
+from raylane.serving.generation.static_decode import StaticDecode
 
 WARMUP_STEPS = 3
 
