@@ -69,6 +69,16 @@ class SpotNodes:
             time.sleep(0.3)
         raise TimeoutError(f"node {name} did not join")
 
+    def wait_for_slots(self, count: int, timeout_s: float = 60.0) -> None:
+        """Until the cluster's resource view offers `count` free spot slots: a node listed
+        alive may not be in it yet, and a run started then would start smaller."""
+        import ray
+
+        deadline = time.monotonic() + timeout_s
+        while ray.available_resources().get("spot", 0) < count:
+            assert time.monotonic() < deadline, f"{count} spot slots never free"
+            time.sleep(0.3)
+
     def stop(self, name: str) -> None:
         process = self.processes.pop(name)
         process.terminate()
@@ -111,6 +121,7 @@ def test_an_elastic_run_loses_a_node_with_notice_and_no_step(
     spot_nodes.add("b")
     victim = spot_nodes.node_id("b")
     spot_nodes.node_id("a")
+    spot_nodes.wait_for_slots(2)
     storage = tmp_path / "runs"
     overrides = workspace.overrides(
         "experiment=elastic",
