@@ -280,9 +280,9 @@ def test_assembled_fsdp_tp_model_is_registered_whole_and_loads_as_served(layout_
 
 def test_a_sharded_checkpoint_resumes_resharded_on_fewer_workers(layout_runs, workspace):
     """What an elastic fsdp group does when it shrinks, from the widest sharding there is: the
-    checkpoint HSDP's 4 workers wrote (2 replicas of 2 shards) is loaded (torch DCP) onto one
-    worker, which holds the whole model and takes the whole global batch, and the run goes on
-    as if it had kept them all."""
+    checkpoint HSDP's 4 workers wrote (2 replicas of 2 shards) is loaded re-sharded onto one
+    fsdp worker (torch DCP), which takes the whole global batch, and the run goes on as if it
+    had kept them all."""
     _, uninterrupted = layout_runs("hsdp")
     checkpoint = Path(uninterrupted.checkpoint_path).parent / "epoch_0000"
     assert len(list((checkpoint / "sharded").glob("*.distcp"))) == WORKERS["hsdp"]

@@ -15,6 +15,7 @@ from raylane.train.checkpointing import (
     restore,
     resume_position,
     save_checkpoint,
+    save_sharded_checkpoint,
 )
 from tests.readme_blocks import ROOT
 
@@ -90,3 +91,40 @@ def test_step_checkpoints_need_a_synchronous_layout(strategy):
             ROOT / "configs" / "train" / "digits_ddp.yaml",
             [f"parallelism.strategy={strategy}", "training.checkpoint_every_steps=4"],
         )
+
+
+def test_a_checkpoint_without_optimizer_state_and_of_another_model(tmp_path):
+    """A parameter server's workers save no optimizer state (theirs never steps), and resume
+    the model alone; a checkpoint of another model is refused in one line; a parameter that
+    never had a gradient has no state to load and keeps its zero state."""
+    model, optimizer = _trained()
+    save_sharded_checkpoint(tmp_path / "ps", model, optimizer, 0, {}, writes_part=True,
+                            with_optimizer=False)  # fmt: skip
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(str(tmp_path / "ps" / "sharded")).read_metadata()
+    assert sorted(stored.state_dict_metadata) == ["model.bias", "model.weight"]
+    other = torch.nn.Linear(3, 2)
+    resumed = torch.optim.AdamW(other.parameters(), lr=0.1)
+    assert restore(tmp_path / "ps", other, resumed, other, 0, with_optimizer=False) == Position(1)
+    assert torch.equal(other.weight, model.weight) and not resumed.state
+
+    wider = torch.nn.Linear(3, 2, bias=False)
+    wider.scale = torch.nn.Parameter(torch.ones(2))  # a tensor the checkpoint never had
+    with pytest.raises(ValueError, match="holds no 'scale' .1 of the model's 2 entries missing"):
+        restore(tmp_path / "ps", wider, torch.optim.AdamW(wider.parameters()), wider, 0)
+
+    partly = torch.nn.Linear(3, 2)
+    partly.unused = torch.nn.Parameter(torch.ones(2))  # trainable, never in a loss
+    stepped = torch.optim.AdamW(partly.parameters(), lr=0.1)
+    partly(torch.randn(4, 3)).sum().backward()
+    stepped.step()
+    save_checkpoint(tmp_path / "partly", partly, stepped, 0, {})
+    again = torch.nn.Linear(3, 2)
+    again.unused = torch.nn.Parameter(torch.ones(2))
+    fresh = torch.optim.AdamW(again.parameters(), lr=0.1)
+    restore(tmp_path / "partly", again, fresh, again, 0)
+    assert torch.equal(
+        fresh.state[again.weight]["exp_avg"], stepped.state[partly.weight]["exp_avg"]
+    )
+    assert not fresh.state[again.unused]["exp_avg"].any()

@@ -224,8 +224,8 @@ def test_a_context_parallel_layout_splits_the_sequence_and_keeps_the_replicas():
          "pipeline:PipelineParallel"),
         ("configs/train/lm_tp.yaml", [], "mesh_parallel:MeshParallel"),
         ("configs/train/lm_fsdp.yaml", [], "mesh_parallel:MeshParallel"),
-        # one worker of an elastic FSDP range holds the whole model (its checkpoints are DCP)
-        ("configs/train/lm_fsdp.yaml", ["parallelism.workers=1"], "ddp:DataParallel"),
+        # one worker of an elastic FSDP range reads its batches as the sharded group does
+        ("configs/train/lm_fsdp.yaml", ["parallelism.workers=1"], "mesh_parallel:MeshParallel"),
         (LM, ["parallelism.strategy=ddp", "parallelism.pp=1", "parallelism.cp=2"],
          "mesh_parallel:MeshParallel"),
     ],

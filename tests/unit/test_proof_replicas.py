@@ -34,7 +34,7 @@ from raylane.models.losses import cross_entropy
 from raylane.models.optim import build_optimizer
 from raylane.parallel.collectives import average_gradients
 from raylane.parallel.ddp import DataParallel
-from raylane.parallel.grad_compression import GroupAverager, register_compression
+from raylane.parallel.grad_compression import GroupAverager
 from raylane.parallel.local_sgd import LocalSGD
 from tests.readme_blocks import ROOT
 
@@ -141,14 +141,13 @@ def _per_step_errors(got: list[dict], reference: dict) -> dict:
 
 
 def _ddp_applied(rank: int, compression: str, initial: nn.Module, batch_of, steps: int):
-    """The gradient each of `steps` DDP steps applied, with the hook `DataParallel.wrap_model`
-    registers (Ray Train's `prepare_model` replaced by the DDP wrapper it makes on a CPU
-    worker) and the strategy's own `train_step`."""
+    """The gradient each of `steps` DDP steps applied, with the wrapper and hook
+    `DataParallel.wrap_model` sets up and the strategy's own `train_step`."""
     cfg = _config("parallelism.strategy=ddp", f"parallelism.grad_compression={compression}",
                   f"parallelism.topk_ratio={TOPK_RATIO}")  # fmt: skip
     strategy = DataParallel(cfg, rank)
-    model = DistributedDataParallel(strategy.place(copy.deepcopy(initial)))
-    strategy.meter = register_compression(model, strategy.grad_compression, strategy.topk_ratio)
+    model = strategy.wrap_model(copy.deepcopy(initial))
+    assert isinstance(model, DistributedDataParallel)
     optimizer = build_optimizer(model.parameters(), "sgd", LR, 0.0)
     applied = []
     for step in range(steps):

@@ -40,6 +40,12 @@ class ParallelStrategy(Protocol):
     row_reporters: int
     #: The part number of this worker's assembled model in a checkpoint (its pipeline stage).
     checkpoint_part: int
+    #: This worker's optimizer steps its parameters (False: a parameter server does; its
+    #: checkpoints hold no optimizer state).
+    steps_optimizer: bool
+    #: Replicas hold the same parameter and optimizer state after an epoch (False: a
+    #: checkpoint keeps rank 0's copy whole).
+    replicas_agree: bool
     #: Seconds of the last `train_step` by part: 'compute', 'comm' (exposed communication),
     #: 'bubble' (pipeline stages waiting for each other); see raylane.tracking.step_times.
     last_step_parts: dict[str, float]
@@ -111,6 +117,9 @@ class StrategyDefaults:
     device: torch.device = CPU
     #: False where the parameters come back from elsewhere (a parameter server).
     steps_optimizer = True
+    #: Whether the replicas of a parameter hold the same state after an epoch, optimizer's
+    #: included (False for local SGD: each keeps its own moments; a checkpoint keeps rank 0's).
+    replicas_agree = True
     #: Optimizer steps taken since the strategy's epoch stats last reset.
     steps = 0
     #: `training.precision`: 'bf16' runs forwards under autocast (raylane.parallel.precision).

@@ -21,6 +21,8 @@ def _distributed() -> bool:
 
 
 class LocalSGD(WholeModelReplica):
+    replicas_agree = False  # parameters averaged at an epoch's end, each worker's moments not
+
     def __init__(self, cfg: RaylaneConfig, rank: int):
         super().__init__(cfg, rank)
         self.period = cfg.parallelism.local_sgd_period

@@ -3,10 +3,10 @@ from a strategy name.
 
 With pipeline stages a schedule drives each step, whatever else each stage is (replicated,
 tensor parallel, sharded). Without them, a model split over workers (tensor or context
-parallel) or sharded (FSDP) trains on a device mesh; whole-model replicas agree as the layout's
-sync says: DDP's all-reduce, periodic averages, or a parameter server. One worker of an elastic
-FSDP range holds the whole model: a replica, whose checkpoints are DCP like every layout's, so
-the group re-shards them when it grows again.
+parallel) or sharded (FSDP, also at one worker, as of an elastic range: the same batches as
+its sharded group, so a run and its reproduction agree) trains on a device mesh; whole-model
+replicas agree as the layout's sync says: DDP's all-reduce, periodic averages, or a parameter
+server.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def implementation(par: ParallelismConfig) -> str:
     dims = par.dims
     if dims.pp_enabled:
         return PIPELINE
-    if dims.tp_enabled or dims.cp_enabled or dims.fsdp_enabled:
+    if dims.tp_enabled or dims.cp_enabled or dims.fsdp_enabled or PRESETS[par.strategy].shard:
         return MESH
     return REPLICAS[dims.sync.kind]
 

@@ -39,8 +39,9 @@ CHECKPOINT_WRITE_GBPS = 1.0
 
 def checkpoint_seconds(params: float, gbps: float = CHECKPOINT_WRITE_GBPS) -> float:
     """Seconds to write a checkpoint of `params` parameters: fp32 weights and Adam's two
-    moments (raylane keeps fp32 master weights in every precision)."""
-    return params * (FP32_ADAM.param + FP32_ADAM.optimizer) / (gbps * 1e9)
+    moments in the distributed checkpoint (raylane keeps fp32 master weights in every
+    precision), and the assembled fp32 weights beside it."""
+    return params * (2 * FP32_ADAM.param + FP32_ADAM.optimizer) / (gbps * 1e9)
 
 
 def young_interval_s(checkpoint_s: float, rate_per_hour: float) -> float:

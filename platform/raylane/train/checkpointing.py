@@ -69,14 +69,25 @@ def resume_position(directory: Path) -> Position:
 
 
 def restore(
-    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, plain: nn.Module, part: int
+    directory: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    plain: nn.Module,
+    part: int,
+    with_optimizer: bool = True,
 ) -> Position:
-    """Collective: load checkpoint `directory` into this worker's `model` and `optimizer` (its
-    shards, its stage); where training continues. `plain` is `model` unwrapped and `part` its
-    part number, for a checkpoint written before DCP was the one format."""
+    """Collective: load checkpoint `directory` into this worker's `model` (its shards, its
+    stage) and, `with_optimizer`, `optimizer`; where training continues. `plain` is `model`
+    unwrapped and `part` its part number, for a checkpoint written before DCP was the one
+    format."""
     directory = Path(directory)
     if (directory / SHARDED_DIR / ".metadata").is_file():
-        return restore_sharded_checkpoint(directory, model, optimizer)
+        return restore_sharded_checkpoint(directory, model, optimizer, with_optimizer)
+    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        raise ValueError(
+            f"checkpoint {directory} holds no sharded state ({SHARDED_DIR}/.metadata): it was "
+            "saved by a layout that does not split the model; resume it with that layout"
+        )
     return restore_parts(directory, plain, optimizer, part)
 
 
@@ -114,15 +125,19 @@ def _flat_options():
     return StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """The model's and optimizer's state dicts as DCP writes and loads them. An optimizer
-    without state (fresh, or one whose parameters a server updates) gets torch's zero state
-    first, the keys a load fills: torch makes it only where no gradient is set."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer, with_optimizer: bool) -> dict:
+    """What DCP writes and loads: the model's state dict and, `with_optimizer`, the optimizer's
+    (keyed by parameter name). An optimizer without state (a fresh one after a backward) gets
+    torch's zero state first, the keys a load fills: torch makes it only where no gradient is
+    set. Without the optimizer: a strategy whose parameters a server updates."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+    if not with_optimizer:
+        return {"model": get_model_state_dict(model)}
     if not optimizer.state:
         optimizer.zero_grad(set_to_none=True)
-    return get_state_dict(model, optimizer, options=_flat_options())
+    model_state, optimizer_state = get_state_dict(model, optimizer, options=_flat_options())
+    return {"model": model_state, "optimizer": optimizer_state}
 
 
 def save_sharded_checkpoint(
@@ -133,17 +148,24 @@ def save_sharded_checkpoint(
     metrics: dict,
     part: int = 0,
     writes_part: bool = False,
+    *,
+    with_optimizer: bool = True,
+    lowest_rank: bool = False,
 ) -> None:
     """Collective: every worker writes its shards; the workers with `writes_part` also their
-    part (or the whole) of the assembled model and, for part 0, the checkpoint's metadata."""
+    part (or the whole) of the assembled model and, for part 0, the checkpoint's metadata.
+    A tensor several workers hold goes to the one DCP balances the bytes onto, or with
+    `lowest_rank` to the lowest of them (replicas whose optimizer states differ: rank 0's
+    whole, as its assembled model is)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     directory.mkdir(parents=True, exist_ok=True)
-    model_state, optimizer_state = _state_dicts(model, optimizer)
     dcp.save(
-        {"model": model_state, "optimizer": optimizer_state},
+        _state(model, optimizer, with_optimizer),
         checkpoint_id=directory / SHARDED_DIR,
+        planner=DefaultSavePlanner(dedup_save_to_lowest_rank=lowest_rank),
     )
     # Assembled on every worker of the group (pipeline stages hold different parts), in the
     # plain model's names.
@@ -155,16 +177,32 @@ def save_sharded_checkpoint(
 
 
 def restore_sharded_checkpoint(
-    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer
+    directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, with_optimizer=True
 ) -> Position:
-    """Collective: load every worker's shards of model and optimizer from the checkpoint's
-    DCP directory; where training continues."""
+    """Collective: load every worker's shards of the model and, `with_optimizer`, of the
+    optimizer from the checkpoint's DCP directory; where training continues. Every model
+    tensor must be there; optimizer state is absent for a parameter that never had a gradient
+    (it keeps its zero state)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    model_state, optimizer_state = _state_dicts(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    dcp.load(state, checkpoint_id=directory / SHARDED_DIR)
+    state = _state(model, optimizer, with_optimizer)
+    stored = dcp.FileSystemReader(str(directory / SHARDED_DIR)).read_metadata()
+    missing = [k for k in state["model"] if f"model.{k}" not in stored.state_dict_metadata]
+    if missing:
+        raise ValueError(
+            f"checkpoint {directory} holds no {missing[0]!r} ({len(missing)} of the model's "
+            f"{len(state['model'])} entries missing): it was saved from another model"
+        )
+    dcp.load(
+        state,
+        checkpoint_id=directory / SHARDED_DIR,
+        planner=DefaultLoadPlanner(allow_partial_load=True),
+    )
+    if not with_optimizer:
+        set_model_state_dict(model, state["model"])
+        return resume_position(directory)
     with kernel_choice_kept(optimizer):
         set_state_dict(
             model,
@@ -178,14 +216,21 @@ def restore_sharded_checkpoint(
 
 def save_epoch_checkpoint(directory: Path, strategy, model, optimizer, epoch: int, metrics) -> None:
     """Collective: this worker's part of epoch `epoch`'s checkpoint (its DCP shards, and the
-    assembled part where its strategy `writes_part`)."""
+    assembled part where its strategy `writes_part`): the optimizer state where the strategy
+    steps it, rank 0's copy of what replicas hold where their states may differ."""
     save_sharded_checkpoint(
-        directory, model, optimizer, epoch, metrics, strategy.checkpoint_part, strategy.writes_part
-    )
+        directory, model, optimizer, epoch, metrics, strategy.checkpoint_part,
+        strategy.writes_part, with_optimizer=strategy.steps_optimizer,
+        lowest_rank=not strategy.replicas_agree,
+    )  # fmt: skip
 
 
 def save_checkpoint(
     directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, epoch: int, metrics
 ) -> None:
-    """A checkpoint of one process's whole model (no process group: DCP writes one file)."""
+    """A checkpoint of one process's whole model (outside a process group of several)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise RuntimeError("save_checkpoint is one process's; a group saves collectively")
     save_sharded_checkpoint(directory, model, optimizer, epoch, metrics, writes_part=True)

@@ -293,8 +293,8 @@ def _restore(strategy, model, optimizer, checkpoint, cfg: RaylaneConfig) -> Posi
     if checkpoint is None:
         return Position(0)
     with checkpoint.as_directory() as directory:
-        plain = strategy.unwrap_model(model)
-        return restore(Path(directory), model, optimizer, plain, strategy.checkpoint_part)
+        plain, part = strategy.unwrap_model(model), strategy.checkpoint_part
+        return restore(Path(directory), model, optimizer, plain, part, strategy.steps_optimizer)
 
 
 def _start_tracking(spec: WorkerSpec, cfg: RaylaneConfig, rank: int, placement):

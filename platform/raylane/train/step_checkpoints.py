@@ -1,7 +1,7 @@
 """Checkpoints inside an epoch (`training.checkpoint_every_steps`).
 
-Every `every` optimizer steps the group writes a checkpoint as at an epoch's end (each worker
-its part, or its shards) and reports it to Ray Train, which keeps the newest
+Every `every` optimizer steps the group writes a checkpoint as at an epoch's end (every worker
+its part of the distributed checkpoint) and reports it to Ray Train, which keeps the newest
 `training.checkpoints_to_keep` of all and hands the latest back after a worker-group failure.
 Its metadata says where training stands: the epoch, the steps of it done, and the group's
 training-loss sum and row count so far, so the epoch's reported loss is still over all its
