@@ -27,7 +27,7 @@ quickstart: install
 # Two pytest-xdist workers: the integration tests in order on one, the unit modules beside them
 # on the other (tests/conftest.py groups them).
 test: install
-	$(BIN)/python -m pytest -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -n 2
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit
