@@ -24,10 +24,8 @@ $(STAMP): pyproject.toml
 quickstart: install
 	$(BIN)/raylane quickstart
 
-# Two pytest-xdist workers: the integration tests in order on one, the unit modules beside them
-# on the other (tests/conftest.py groups them).
 test: install
-	$(BIN)/python -m pytest -n 2
+	$(BIN)/python -m pytest
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit
