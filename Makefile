@@ -9,16 +9,10 @@ STAMP  := $(VENV)/.installed
 install: $(STAMP)
 
 # Re-runs only when pyproject.toml changes, so `make test` is quick once installed.
-# torch first, by pip (its pin in pyproject.toml, as pip finds it: a CPU build on a machine that
-# keeps one); then the rest by uv, which resolves the same versions as pip in a third of the
-# time and keeps the torch it finds installed.
-TORCH := $(shell grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"')
-UV    := uv==0.13.9
-
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet '$(TORCH)' '$(UV)'
-	$(BIN)/uv pip install --quiet --python $(BIN)/python -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
 quickstart: install
