@@ -9,17 +9,29 @@ STAMP  := $(VENV)/.installed
 install: $(STAMP)
 
 # Re-runs only when pyproject.toml changes, so `make test` is quick once installed.
+# torch by pip (its pin in pyproject.toml: pip takes a CPU build where the machine keeps one);
+# the rest by uv, which resolves the same versions as pip in about a third of the time. uv reads
+# no pip configuration, so it is handed the indexes and find-links pip is configured with, and
+# compiles the bytecode as pip does (without it every Ray worker recompiles what it imports).
+TORCH = $(shell grep -o '"torch==[^"]*"' pyproject.toml | tr -d '"')
+UV    = uv==0.13.9
+PIP_SOURCES = $(foreach u,$(shell $(PYTHON) -m pip config get global.extra-index-url 2>/dev/null),--extra-index-url $(u)) \
+	$(foreach d,$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null),--find-links $(d))
+
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet '$(TORCH)' '$(UV)'
+	$(BIN)/uv pip install --quiet --compile-bytecode --index-strategy unsafe-best-match \
+		$(PIP_SOURCES) --python $(BIN)/python -e '.[dev]'
 	touch $(STAMP)
 
 quickstart: install
 	$(BIN)/raylane quickstart
 
+# Two pytest-xdist workers: every integration test in order on one, the unit modules beside
+# them on the other (tests/conftest.py's scheduler).
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2
 
 test-unit: install
 	$(BIN)/python -m pytest tests/unit
