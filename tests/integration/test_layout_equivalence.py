@@ -286,7 +286,7 @@ def _layout_worker(config, batches):
     sent_ratio = strategy.epoch_stats()["comm_bytes_ratio"] if compressed else None
     # Sharded parameters assembled (collective); a pipeline stage's are its own.
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    # The mesh FSDP sharded the parameters over (None: not sharded).
+    # The mesh FSDP sharded or replicated the parameters over (None: plain tensors).
     sharded = [p for p in model.parameters() if hasattr(p, "device_mesh")]
     mesh = tuple(sharded[0].device_mesh.shape) if sharded else None
     gathered = [None] * dist.get_world_size()
@@ -382,6 +382,9 @@ def test_layout_training_equals_single_process(layout_records, name):
         assert {record["mesh"] for record in records} == {(2, 2)}
     elif name == "fsdp2":
         assert {record["mesh"] for record in records} == {(2,)}
+    elif name in ("hybrid-1f1b", "cp2-dp2"):  # replicas by FSDP2's replicate: 2 stage
+        # replicas; 2 replicas x 2 chunk workers, flattened
+        assert {record["mesh"] for record in records} == {(2,) if name == "hybrid-1f1b" else (4,)}
 
     merged = {}
     for record in records:

@@ -82,6 +82,65 @@ def test_a_checkpoint_of_the_earlier_part_files_still_resumes(tmp_path):
         restore(tmp_path, other, resumed, other, 0)
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _earlier_parts_into_replicas(rank: int, world: int) -> dict:
+    """A pipeline stage's replicas now hold replicated DTensors (FSDP2's `replicate`): a part
+    file of the earlier format still resumes into them, on each replica, and the replicas
+    then train as one (their gradients all-reduced inside backward)."""
+    import tempfile
+    from pathlib import Path
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from raylane.parallel.parallelize import apply_replicate
+
+    directory = Path(tempfile.mkdtemp())
+    model, optimizer = _trained()
+    torch.save(model.state_dict(), directory / "model-part000.pt")
+    torch.save(optimizer.state_dict(), directory / "optimizer-part000.pt")
+    (directory / META_FILE).write_text('{"epoch": 2, "metrics": {}, "global_step": 30}')
+    torch.manual_seed(1 + rank)  # the replicas start apart: the checkpoint makes them agree
+    replica = apply_replicate(torch.nn.Linear(3, 2), init_device_mesh("cpu", (world,)))
+    resumed = torch.optim.AdamW(replica.parameters(), lr=0.1)
+    position = restore(directory, replica, resumed, replica, 0)
+    names = [name for name, _ in replica.named_parameters()]
+    found = {
+        "position": position,
+        "dtensors": all(hasattr(p, "placements") for p in replica.parameters()),
+        "saved": [p.detach().clone() for p in model.parameters()],
+        "saved_avg": [optimizer.state[p]["exp_avg"].clone() for p in model.parameters()],
+        "loaded": [_local(p).detach().clone() for p in replica.parameters()],
+        "loaded_avg": [_local(resumed.state[p]["exp_avg"]).clone() for p in replica.parameters()],
+        "names": names,
+    }
+    torch.manual_seed(10 + rank)  # each replica its own rows
+    replica(torch.randn(4, 3)).square().sum().backward()
+    resumed.step()
+    found["after"] = [_local(p).detach().clone() for p in replica.parameters()]
+    return found
+
+
+TWO_PROCESS_CHECKS = {"earlier_parts_into_replicas": _earlier_parts_into_replicas}
+
+
+def test_an_earlier_part_file_resumes_into_replicated_dtensors(two_processes):
+    ranks = two_processes(__name__, "earlier_parts_into_replicas")
+    for found in ranks:
+        assert found["position"] == Position(3, global_step=30)
+        assert found["dtensors"] and found["names"] == ["weight", "bias"]
+        for kind in ("", "_avg"):  # the weights, then Adam's first moments
+            pairs = zip(found["saved" + kind], found["loaded" + kind], strict=True)
+            for name, (saved, loaded) in zip(found["names"], pairs, strict=True):
+                assert torch.equal(saved, loaded), (name, kind)
+    # Different rows on each replica, one model after the step: the gradients were averaged.
+    first, second = (found["after"] for found in ranks)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    assert not torch.equal(first[0], ranks[0]["loaded"][0])  # and it stepped
+
+
 @pytest.mark.parametrize("strategy", ["async", "ssp", "local_sgd"])
 def test_step_checkpoints_need_a_synchronous_layout(strategy):
     with pytest.raises(

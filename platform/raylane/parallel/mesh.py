@@ -23,9 +23,10 @@ class ParallelMesh:
     mesh: DeviceMesh
     dims: ParallelDims
     rank: int
-    #: Whether FSDP's shards all-reduce over the `dp_replicate` replicas (HSDP). False where
-    #: the replicas only fill the world for the mesh (the profile's wrapped blocks, timed on
-    #: one group while the rest wait).
+    #: Whether the `dp_replicate` replicas synchronise: FSDP's shards all-reduced over them
+    #: (HSDP), a split model's replicas' gradients (`replicate_in_backward`). False where the
+    #: replicas only fill the world for the mesh (the profile's wrapped blocks, timed on one
+    #: group while the rest wait).
     hybrid_shard: bool = True
 
     @property
@@ -72,12 +73,36 @@ class ParallelMesh:
         return self.mesh["cp"].get_group()
 
     @property
-    def replica_group(self) -> dist.ProcessGroup:
-        """The workers whose gradients average into one model's: the data-parallel replicas
-        and, with context parallelism, the workers of each sequence's other chunks."""
+    def replicas(self) -> int:
+        """Workers holding the same (unsharded) parameters whose gradients average into one
+        model's: the `dp_replicate` replicas times the `cp` workers of a sequence's chunks."""
+        return self.dims.dp_replicate * self.dims.cp
+
+    @property
+    def replica_mesh(self) -> DeviceMesh:
+        """Those workers as a 1-D mesh: `dp_replicate`, or with context parallelism
+        `dp_replicate x cp` flattened (torch builds it once and returns it again)."""
         if self.dims.cp == 1:
-            return self.dp_group
-        return self.mesh["dp_replicate", "cp"]._flatten("dp_cp").get_group()
+            return self.mesh["dp_replicate"]
+        return self.mesh["dp_replicate", "cp"]._flatten("dp_cp")
+
+    @property
+    def replica_group(self) -> dist.ProcessGroup:
+        """The process group of `replica_mesh`."""
+        return self.replica_mesh.get_group()
+
+    @property
+    def replicate_in_backward(self) -> bool:
+        """Whether the replicas of a split but unsharded model (tensor parallel, pipeline
+        stages, context parallel) all-reduce their gradients inside backward, by FSDP2's
+        `replicate` (`raylane.parallel.parallelize.apply_data_parallel`): there are
+        replicas, they train together, and their sync is the plain all-reduce (a compressed
+        one is the strategy's: `raylane.parallel.grad_compression.GroupAverager`)."""
+        dims = self.dims
+        plain_all_reduce = dims.sync.kind == "all_reduce" and dims.sync.compression == "none"
+        return (
+            not dims.fsdp_enabled and self.replicas > 1 and self.hybrid_shard and plain_all_reduce
+        )
 
     @property
     def shard_mesh(self) -> DeviceMesh:

@@ -2,13 +2,14 @@
 'tp'), FSDP2 (strategy 'fsdp'; HSDP with `dp_shard` below the data-parallel workers), and both
 (FSDP over tensor-parallel blocks, 2D: dp x tp).
 
-`parallelize` applies the layout to the plain model (the model's tensor-parallel plan, activation
-checkpointing, FSDP over the `dp_shard` workers); what is left to this strategy is how its
-data-parallel workers agree. Sharded workers need nothing more (FSDP reduce-scatters the
-gradients inside backward, and for HSDP all-reduces the shards over the replicas); replicas of
-a tensor-parallel model average their gradient shards before each optimizer step, optionally
-compressed (`parallelism.grad_compression` 'fp16' or 'topk', the same compression DDP's hooks
-apply). The tp workers of one replica read the same batches and compute the same loss.
+`parallelize` applies the whole layout to the plain model (the model's tensor-parallel plan,
+activation checkpointing, and as its last step the data-parallel sync: FSDP over the `dp_shard`
+workers, reduce-scattering the gradients inside backward and for HSDP all-reducing the shards
+over the replicas; or, for replicas of an unsharded tensor- or context-parallel model, FSDP2's
+`replicate`, all-reducing them inside backward). What is left to this strategy is the one sync
+an apply step does not do: a compressed average of the replicas' gradient shards before each
+optimizer step (`parallelism.grad_compression` 'fp16' or 'topk', the same compression DDP's
+hooks apply). The tp workers of one replica read the same batches and compute the same loss.
 """
 
 from __future__ import annotations
@@ -54,13 +55,14 @@ class MeshParallel(StrategyDefaults):
         self.row_reporters = self.cp  # every cp worker reports its chunks' loss
         self.ring = self._ring_meter()
         self.ring_waited_s = 0.0
-        # Replicas of a sharded model (HSDP) are FSDP2's to all-reduce, inside backward.
-        hand_averaged = 1 if self.mesh.dims.fsdp_enabled else self.mesh.dims.dp_replicate
-        self.replicas = hand_averaged * self.cp
         # Sequence parallelism runs the model's end on shards too: the head's logits are split
         # over the vocabulary and the loss is torch's `loss_parallel`.
         self.vocabulary_loss = self.mesh.dims.sequence_parallel
-        if self.replicas > 1:
+        # Replicas average inside backward (FSDP2, `parallelize`'s last step) unless their
+        # average is compressed: then here, before each optimizer step.
+        self.replicas = self.mesh.replicas
+        hand_averaged = not self.mesh.dims.fsdp_enabled and not self.mesh.replicate_in_backward
+        if self.replicas > 1 and hand_averaged:
             self.averager = GroupAverager(
                 par.grad_compression, self.mesh.replica_group, par.topk_ratio
             )
@@ -93,8 +95,9 @@ class MeshParallel(StrategyDefaults):
         return waited
 
     def sync_gradients(self, model: nn.Module) -> None:
-        # The tensor-parallel all-reduces and FSDP's all-gathers and reduce-scatters run inside
-        # forward and backward: counted as compute. Replicas average here.
+        # The tensor-parallel all-reduces, FSDP's all-gathers and reduce-scatters and the
+        # replicas' all-reduce run inside forward and backward: counted as compute. A
+        # compressed average of the replicas runs here.
         if self.averager is not None:
             average_gradients(model, self.mesh.replica_group, self.replicas, self.averager)
 

@@ -12,14 +12,17 @@ pipeline stage of it.
    checkpointing it must trace, before FSDP, whose hooks stay outside it);
 5. data-parallel sync (`apply_data_parallel`), last: FSDP2 over the `dp_shard` sub-mesh (HSDP
    over `dp_replicate x dp_shard`), block by block, then the rest as the root unit (with bf16
-   `training.precision`, its mixed-precision policy: `raylane.parallel.precision`); or, for
-   whole-model replicas that all-reduce, DDP over the process group (the strategy registers
-   its communication hook on it: `raylane.parallel.grad_compression`).
+   `training.precision`, its mixed-precision policy: `raylane.parallel.precision`); for
+   replicas of a split but unsharded model (tensor parallel, pipeline stages, context
+   parallel), FSDP2's `replicate` over the replicas, the same units, all-reducing each one's
+   gradients inside backward; or, for whole-model replicas that all-reduce, DDP over the
+   process group (the strategy registers its communication hook on it:
+   `raylane.parallel.grad_compression`).
 
 Each step is one function and runs only where its degree (or setting) asks for it, so any
 combination of them is this one sequence. Replicas that agree otherwise (periodic averaging, a
-parameter server, the compressed average of a tensor-parallel mesh's replicas, a pipeline's
-stages) do so in their strategy, on what this returns. A pipeline first
+parameter server, the compressed average of a tensor-parallel mesh's replicas) do so in their
+strategy, on what this returns. A pipeline first
 cuts the model into its stage (`raylane.parallel.pipeline.build_stage_module`) and then calls
 this on the stage. torch's DTensor and FSDP modules are imported by the step that needs them:
 a data-parallel worker never pays their imports.
@@ -177,11 +180,30 @@ def apply_fsdp(model: nn.Module, shard_mesh: DeviceMesh, precision: str = "fp32"
     state stay fp32)."""
     from torch.distributed.fsdp import fully_shard
 
+    return _block_by_block(fully_shard, model, shard_mesh, precision)
+
+
+def apply_replicate(
+    model: nn.Module, replica_mesh: DeviceMesh, precision: str = "fp32"
+) -> nn.Module:
+    """Replicas of a split model (its tensor-parallel DTensors, a pipeline stage, a context-
+    parallel worker's copy) over `replica_mesh`, in place: FSDP2's `replicate` (DDP built on
+    FSDP2, which composes with DTensor parameters where DDP does not), block by block and then
+    the rest as the root unit, so each block's gradients are all-reduced as soon as its
+    backward ends; a pipeline schedule syncs them only in a step's last backward."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    return _block_by_block(replicate, model, replica_mesh, precision)
+
+
+def _block_by_block(apply, model: nn.Module, mesh: DeviceMesh, precision: str) -> nn.Module:
+    """`apply` (FSDP2's `fully_shard` or `replicate`) to each of `model_blocks(model)`, then to
+    the model as the root unit, on `mesh`, with `precision`'s mixed-precision policy."""
     policy = fsdp_mixed_precision(precision)
     options = {"mp_policy": policy} if policy is not None else {}
     for block in model_blocks(model):
-        fully_shard(block, mesh=shard_mesh, **options)
-    fully_shard(model, mesh=shard_mesh, **options)
+        apply(block, mesh=mesh, **options)
+    apply(model, mesh=mesh, **options)
     return model
 
 
@@ -206,10 +228,14 @@ def apply_data_parallel(
     ddp_device: torch.device | None = None,
 ) -> nn.Module:
     """The last apply step, how data-parallel workers agree: FSDP2 (or HSDP) where the layout
-    shards, DDP on `ddp_device` where whole-model replicas all-reduce (`ddp_device` given),
-    else nothing (one worker; a sync its strategy runs itself). Returns what is trained."""
+    shards, FSDP2's `replicate` where replicas of a split model all-reduce
+    (`ParallelMesh.replicate_in_backward`), DDP on `ddp_device` where whole-model replicas do
+    (`ddp_device` given), else nothing (one worker; a sync its strategy runs itself). Returns
+    what is trained."""
     if mesh is not None and mesh.dims.fsdp_enabled:
         return apply_fsdp(model, mesh.shard_mesh, precision)
+    if mesh is not None and mesh.replicate_in_backward:
+        return apply_replicate(model, mesh.replica_mesh, precision)
     if ddp_device is not None:
         return apply_ddp(model, ddp_device)
     return model

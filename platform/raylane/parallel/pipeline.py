@@ -2,10 +2,11 @@
 
 Each worker holds one stage: the plain model with the other stages' blocks deleted, so its
 parameter names are those of the whole model. Batches are cut into micro-batches and driven
-through the stages by a GPipe or 1F1B schedule; with dp > 1, each stage's gradients are averaged
-over its data-parallel replicas before the optimizer step (strategy 'hybrid'), or each stage is
-sharded over its dp workers by FSDP2, which reduce-scatters them (strategy 'fsdp' with pp > 1;
-the schedule syncs only on a step's last backward); with tp > 1 each stage's blocks are
+through the stages by a GPipe or 1F1B schedule; with dp > 1, each stage's gradients are
+all-reduced over its data-parallel replicas by FSDP2's `replicate` (strategy 'hybrid'), or each
+stage is sharded over its dp workers by FSDP2, which reduce-scatters them (strategy 'fsdp' with
+pp > 1): `parallelize`'s last step either way, and the schedule syncs only in a step's last
+backward; with tp > 1 each stage's blocks are
 also tensor parallel over `tp` workers (3D: dp x pp x tp on one mesh; activations pass between
 the workers of equal tp rank in neighbouring stages). Every step records each stage's busy
 time (forward/backward compute) and the activation bytes autograd holds, so the bubble can be
@@ -26,7 +27,6 @@ from torch.optim import Optimizer
 from raylane.config import RaylaneConfig
 from raylane.config.layout import stage_boundaries
 from raylane.parallel.base import LossFn, StrategyDefaults
-from raylane.parallel.collectives import average_gradients
 from raylane.parallel.device import to_device, worker_device
 from raylane.parallel.mesh import build_device_mesh
 from raylane.parallel.meters import ActivationMeter, StageTimer
@@ -67,7 +67,6 @@ class PipelineParallel(StrategyDefaults):
         self.schedule_name = par.schedule
         self.device = worker_device(par.use_gpu)
         self.mesh = build_device_mesh(par.dims, self.device.type)
-        self.sharded = self.mesh.dims.fsdp_enabled
         self.stage_index = self.mesh.pp_rank
         self.num_stages = par.pp
         self.bounds = stage_boundaries(cfg.model.block_count(), par.pp, par.split_points)
@@ -127,20 +126,16 @@ class PipelineParallel(StrategyDefaults):
         busy_before = self.timer.busy_s
         start = time.perf_counter()
         with self.activations:
-            self._run("step", inputs, targets, losses)
+            self._run("step", inputs, targets, losses)  # replicas all-reduce in its last backward
         scheduled = time.perf_counter()
         self.timer.end_step(scheduled - start)
-        if self.mesh.dp > 1 and not self.sharded:  # FSDP reduce-scattered them already
-            average_gradients(model, self.mesh.dp_group, self.mesh.dp)
-        averaged = time.perf_counter()
         optimizer.step()
         busy = self.timer.busy_s - busy_before
         # The schedule's time not spent in this stage's own compute went to waiting for (and
         # exchanging activations with) its neighbours: the bubble.
         self.last_step_parts = {
-            "compute": busy + (time.perf_counter() - averaged),
+            "compute": busy + (time.perf_counter() - scheduled),
             "bubble": max(scheduled - start - busy, 0.0),
-            "comm": averaged - scheduled,
         }
         return torch.stack(losses).mean().detach() if self.is_last else None
 

@@ -83,7 +83,7 @@ def restore(
     directory = Path(directory)
     if (directory / SHARDED_DIR / ".metadata").is_file():
         return restore_sharded_checkpoint(directory, model, optimizer, with_optimizer)
-    if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+    if any(_split(p) for p in model.parameters()):
         raise ValueError(
             f"checkpoint {directory} holds no sharded state ({SHARDED_DIR}/.metadata): it was "
             "saved by a layout that does not split the model; resume it with that layout"
@@ -91,11 +91,19 @@ def restore(
     return restore_parts(directory, plain, optimizer, part)
 
 
+def _split(param: torch.Tensor) -> bool:
+    """Whether this worker holds a part of `param` only (a DTensor sharded on some dimension
+    of its mesh); a replicated one (FSDP2's `replicate`) is whole on every worker."""
+    placements = getattr(param, "placements", None)
+    return placements is not None and any(not p.is_replicate() for p in placements)
+
+
 def restore_parts(
     directory: Path, model: nn.Module, optimizer: torch.optim.Optimizer, part: int = 0
 ) -> Position:
     """An earlier checkpoint's part `part` (`model-partNNN.pt` and `optimizer-partNNN.pt`,
-    whole-model replicas' and pipeline stages' format before DCP) into a plain `model`."""
+    whole-model replicas' and pipeline stages' format before DCP) into `model`: a plain one,
+    or one whose parameters are replicated DTensors (a pipeline stage's replicas now)."""
     model_file, optimizer_file = directory / _model_file(part), directory / _optimizer_file(part)
     if not optimizer_file.is_file():
         raise FileNotFoundError(
@@ -103,10 +111,39 @@ def restore_parts(
             f"({SHARDED_DIR}/.metadata) nor the parts {model_file.name} and "
             f"{optimizer_file.name}"
         )
-    model.load_state_dict(torch.load(model_file, map_location="cpu", weights_only=True))
+    weights = torch.load(model_file, map_location="cpu", weights_only=True)
+    moments = torch.load(optimizer_file, map_location="cpu", weights_only=True)
     with kernel_choice_kept(optimizer):
-        optimizer.load_state_dict(torch.load(optimizer_file, map_location="cpu", weights_only=True))
+        if any(type(p).__name__ == "DTensor" for p in model.parameters()):
+            _load_whole_state(model, optimizer, weights, moments)
+        else:
+            model.load_state_dict(weights)
+            optimizer.load_state_dict(moments)
     return resume_position(directory)
+
+
+def _load_whole_state(model, optimizer, weights: dict, moments: dict) -> None:
+    """Whole tensors (a part file's) into a model of replicated DTensors and its optimizer, by
+    torch's full-state-dict loaders; the optimizer's state, saved by parameter index, keyed by
+    parameter name in the order the optimizer holds them."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    options = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, weights, options=options)
+    name_of = {id(param): name for name, param in model.named_parameters()}
+    names = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    by_name = {
+        "state": {names[index]: state for index, state in moments["state"].items()},
+        "param_groups": [
+            {**group, "params": [names[index] for index in group["params"]]}
+            for group in moments["param_groups"]
+        ],
+    }
+    set_optimizer_state_dict(model, optimizer, by_name, options=options)
 
 
 def _write_meta(directory: Path, epoch: int, metrics: dict) -> None:
