@@ -93,6 +93,14 @@ LAYOUTS = {
     # bf16 autocast over fp32 master weights, against single-process training under the same
     # autocast on the whole global batch.
     "ddp2-bf16": {"strategy": "ddp", "dp": 2, "precision": "bf16"},
+    # The same over a pipeline's replicas, synchronised by FSDP2's replicate.
+    "hybrid-1f1b-bf16": {
+        "strategy": "hybrid",
+        "schedule": "1f1b",
+        "pp": 2,
+        "dp": 2,
+        "precision": "bf16",
+    },  # fmt: skip
     # The Llama (grouped-query attention: 4 query heads, 2 key/value heads) through the same
     # strategies: its tensor-parallel plan, FSDP2, pipeline stages, ring attention.
     "llama-tp2": {"model": "llama", "strategy": "tp", "tp": 2, "dp": 1},
@@ -281,9 +289,10 @@ def _layout_worker(config, batches):
         inputs, targets = strategy.local_batch(mine[:, :-1], mine[:, 1:])  # as the loop's feed
         loss = strategy.train_step(model, optimizer, cross_entropy, inputs, targets)
         losses.append(None if loss is None else loss.item())
-    # What the compressed average sent against fp32's (0.5 in fp16): compression did run.
-    compressed = cfg.parallelism.grad_compression != "none"
-    sent_ratio = strategy.epoch_stats()["comm_bytes_ratio"] if compressed else None
+    # What the replicas' average sent against fp32's (0.5 in fp16: compression did run), and
+    # the last step's exposed communication (a pipeline's replicas: their all-reduce).
+    comm = strategy.last_step_parts.get("comm")
+    sent_ratio = strategy.epoch_stats().get("comm_bytes_ratio")
     # Sharded parameters assembled (collective); a pipeline stage's are its own.
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     # The mesh FSDP sharded or replicated the parameters over (None: plain tensors).
@@ -296,6 +305,7 @@ def _layout_worker(config, batches):
             "dp_rank": replica,
             "mesh": mesh,
             "sent_ratio": sent_ratio,
+            "comm_s": comm,
             "losses": losses if strategy.reports_loss else [],
             # Plain arrays: Ray Train refuses tensors in a training function's return value.
             "state": {k: v.detach().numpy().copy() for k, v in state.items()},
@@ -385,6 +395,10 @@ def test_layout_training_equals_single_process(layout_records, name):
     elif name in ("hybrid-1f1b", "cp2-dp2"):  # replicas by FSDP2's replicate: 2 stage
         # replicas; 2 replicas x 2 chunk workers, flattened
         assert {record["mesh"] for record in records} == {(2,) if name == "hybrid-1f1b" else (4,)}
+    if name in ("hybrid-1f1b", "3d-dp2-pp2-tp2"):  # the all-reduce is timed as communication
+        assert all(record["comm_s"] > 0 for record in records), records
+    if name in ("tp2-dp2", "cp2-dp2"):  # every fp32 gradient, as DDP reports it
+        assert {record["sent_ratio"] for record in records} == {1.0}
 
     merged = {}
     for record in records:

@@ -4,10 +4,15 @@ checkpoint inside an epoch."""
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 
 from raylane.config import ConfigError, load_config
+from raylane.parallel.parallelize import apply_replicate
 from raylane.train.checkpoint_files import META_FILE
 from raylane.train.checkpointing import (
     Position,
@@ -90,14 +95,11 @@ def _earlier_parts_into_replicas(rank: int, world: int) -> dict:
     """A pipeline stage's replicas now hold replicated DTensors (FSDP2's `replicate`): a part
     file of the earlier format still resumes into them, on each replica, and the replicas
     then train as one (their gradients all-reduced inside backward)."""
-    import tempfile
-    from pathlib import Path
+    with tempfile.TemporaryDirectory() as scratch:
+        return _parts_into_replicas(Path(scratch), rank, world)
 
-    from torch.distributed.device_mesh import init_device_mesh
 
-    from raylane.parallel.parallelize import apply_replicate
-
-    directory = Path(tempfile.mkdtemp())
+def _parts_into_replicas(directory: Path, rank: int, world: int) -> dict:
     model, optimizer = _trained()
     torch.save(model.state_dict(), directory / "model-part000.pt")
     torch.save(optimizer.state_dict(), directory / "optimizer-part000.pt")
@@ -120,6 +122,11 @@ def _earlier_parts_into_replicas(rank: int, world: int) -> dict:
     replica(torch.randn(4, 3)).square().sum().backward()
     resumed.step()
     found["after"] = [_local(p).detach().clone() for p in replica.parameters()]
+    # Plain SGD keeps no optimizer state: its part file resumes the weights alone.
+    torch.save(torch.optim.SGD(model.parameters()).state_dict(), directory / "optimizer-part000.pt")
+    plain_sgd = apply_replicate(torch.nn.Linear(3, 2), init_device_mesh("cpu", (world,)))
+    restore(directory, plain_sgd, torch.optim.SGD(plain_sgd.parameters()), plain_sgd, 0)
+    found["sgd_loaded"] = [_local(p).detach().clone() for p in plain_sgd.parameters()]
     return found
 
 
@@ -135,6 +142,7 @@ def test_an_earlier_part_file_resumes_into_replicated_dtensors(two_processes):
             pairs = zip(found["saved" + kind], found["loaded" + kind], strict=True)
             for name, (saved, loaded) in zip(found["names"], pairs, strict=True):
                 assert torch.equal(saved, loaded), (name, kind)
+        assert all(map(torch.equal, found["saved"], found["sgd_loaded"]))
     # Different rows on each replica, one model after the step: the gradients were averaged.
     first, second = (found["after"] for found in ranks)
     assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))

@@ -23,6 +23,7 @@ from raylane.parallel.collectives import average_gradients
 from raylane.parallel.device import to_device, worker_device
 from raylane.parallel.grad_compression import GroupAverager, take_comm_stats
 from raylane.parallel.mesh import build_device_mesh
+from raylane.parallel.meters import local_bytes
 from raylane.parallel.parallelize import parallelize, sharded_loss
 from raylane.parallel.precision import autocast
 from raylane.parallel.ring_attention import RingTraffic, shard_sequence
@@ -50,6 +51,7 @@ class MeshParallel(StrategyDefaults):
         self.writes_part = rank == 0  # the assembled model
         self.last_step_parts: dict[str, float] = {}
         self.averager = None
+        self.replicated_bytes = 0
         # Replicas, and the workers holding a sequence's other chunks, average their gradients.
         self.cp, self.cp_rank = self.mesh.dims.cp, self.mesh.cp_rank
         self.row_reporters = self.cp  # every cp worker reports its chunks' loss
@@ -68,6 +70,13 @@ class MeshParallel(StrategyDefaults):
             )
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
+        wrapped = self._parallelize(model)
+        if self.mesh.replicate_in_backward:  # what the replicas' all-reduce carries each step
+            trained = [p for p in wrapped.parameters() if p.requires_grad]
+            self.replicated_bytes = sum(local_bytes(p) for p in trained)
+        return wrapped
+
+    def _parallelize(self, model: nn.Module) -> nn.Module:
         return parallelize(
             model.to(self.device),
             self.mesh,
@@ -120,8 +129,13 @@ class MeshParallel(StrategyDefaults):
         return outputs if self.reports_loss else None
 
     def epoch_stats(self) -> dict[str, float]:
-        """Bytes this worker handed to the replicas' gradient averages (as DDP reports them)."""
-        if self.averager is None:
-            return {}
-        stats, self.steps = take_comm_stats(self.averager.meter, self.steps), 0
-        return stats
+        """Bytes this worker handed to the replicas' gradient averages per step (as DDP reports
+        them): counted by a compressed average; for FSDP2's all-reduce, every gradient this
+        worker holds, in fp32 (its reduction has no hook to count at)."""
+        if self.averager is not None:
+            stats, self.steps = take_comm_stats(self.averager.meter, self.steps), 0
+            return stats
+        if self.replicated_bytes and self.steps:
+            self.steps = 0
+            return {"comm_bytes_per_step": float(self.replicated_bytes), "comm_bytes_ratio": 1.0}
+        return {}

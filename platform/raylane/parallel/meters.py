@@ -14,13 +14,17 @@ from raylane.parallel.device import peak_device_memory_bytes
 
 class StageTimer:
     """Accumulates the time a stage spends computing (its forward and backward chunks) against
-    the wall time of the steps; the difference is time spent waiting: the bubble."""
+    the wall time of the steps; the difference is time spent waiting: the bubble. The
+    schedule's gradient reduction after a step's last backward (the replicas' all-reduce) is
+    timed apart, as communication (`sync_s`)."""
 
     COMPUTE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+    SYNC_METHOD = "perform_reduce_grad"
 
     def __init__(self):
         self.reset()
         self._paused = False
+        self.sync_s = 0.0
 
     def reset(self) -> None:
         self.busy_s = 0.0
@@ -30,9 +34,12 @@ class StageTimer:
     def instrument(self, stage) -> None:
         for name in self.COMPUTE_METHODS:
             if hasattr(stage, name):
-                setattr(stage, name, self._timed(getattr(stage, name)))
+                setattr(stage, name, self._timed(getattr(stage, name), "busy_s"))
+        sync = getattr(stage, self.SYNC_METHOD, None)
+        if sync is not None:
+            setattr(stage, self.SYNC_METHOD, self._timed(sync, "sync_s"))
 
-    def _timed(self, method):
+    def _timed(self, method, total: str):
         @functools.wraps(method)
         def wrapper(*args, **kwargs):
             start = time.perf_counter()
@@ -40,7 +47,7 @@ class StageTimer:
                 return method(*args, **kwargs)
             finally:
                 if not self._paused:
-                    self.busy_s += time.perf_counter() - start
+                    setattr(self, total, getattr(self, total) + time.perf_counter() - start)
 
         return wrapper
 

@@ -180,27 +180,28 @@ def apply_fsdp(model: nn.Module, shard_mesh: DeviceMesh, precision: str = "fp32"
     state stay fp32)."""
     from torch.distributed.fsdp import fully_shard
 
-    return _block_by_block(fully_shard, model, shard_mesh, precision)
+    policy = fsdp_mixed_precision(precision)
+    options = {"mp_policy": policy} if policy is not None else {}
+    return _block_by_block(fully_shard, model, shard_mesh, options)
 
 
-def apply_replicate(
-    model: nn.Module, replica_mesh: DeviceMesh, precision: str = "fp32"
-) -> nn.Module:
+def apply_replicate(model: nn.Module, replica_mesh: DeviceMesh) -> nn.Module:
     """Replicas of a split model (its tensor-parallel DTensors, a pipeline stage, a context-
     parallel worker's copy) over `replica_mesh`, in place: FSDP2's `replicate` (DDP built on
     FSDP2, which composes with DTensor parameters where DDP does not), block by block and then
-    the rest as the root unit, so each block's gradients are all-reduced as soon as its
-    backward ends; a pipeline schedule syncs them only in a step's last backward."""
+    the rest as the root unit, each block's gradients all-reduced once its backward is done
+    (a pipeline's, after the step's last micro-batch: the schedule's gradient reduction). No
+    mixed-precision policy: a bf16 run computes under autocast over fp32 parameters, as DDP's
+    replicas do. FSDP2 keeps a second, unsharded copy of the parameters from forward to the end
+    of backward (its one-worker "all-gather")."""
     from torch.distributed._composable.replicate_with_fsdp import replicate
 
-    return _block_by_block(replicate, model, replica_mesh, precision)
+    return _block_by_block(replicate, model, replica_mesh, {})
 
 
-def _block_by_block(apply, model: nn.Module, mesh: DeviceMesh, precision: str) -> nn.Module:
-    """`apply` (FSDP2's `fully_shard` or `replicate`) to each of `model_blocks(model)`, then to
-    the model as the root unit, on `mesh`, with `precision`'s mixed-precision policy."""
-    policy = fsdp_mixed_precision(precision)
-    options = {"mp_policy": policy} if policy is not None else {}
+def _block_by_block(apply, model: nn.Module, mesh: DeviceMesh, options: dict) -> nn.Module:
+    """`apply` (FSDP2's `fully_shard` or `replicate`) with `options` to each of
+    `model_blocks(model)`, then to the model as the root unit, on `mesh`."""
     for block in model_blocks(model):
         apply(block, mesh=mesh, **options)
     apply(model, mesh=mesh, **options)
@@ -235,7 +236,7 @@ def apply_data_parallel(
     if mesh is not None and mesh.dims.fsdp_enabled:
         return apply_fsdp(model, mesh.shard_mesh, precision)
     if mesh is not None and mesh.replicate_in_backward:
-        return apply_replicate(model, mesh.replica_mesh, precision)
+        return apply_replicate(model, mesh.replica_mesh)
     if ddp_device is not None:
         return apply_ddp(model, ddp_device)
     return model

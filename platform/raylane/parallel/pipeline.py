@@ -67,6 +67,12 @@ class PipelineParallel(StrategyDefaults):
         self.schedule_name = par.schedule
         self.device = worker_device(par.use_gpu)
         self.mesh = build_device_mesh(par.dims, self.device.type)
+        synced = self.mesh.dims.fsdp_enabled or self.mesh.replicate_in_backward
+        if self.mesh.dims.dp_replicate > 1 and not synced:
+            raise ValueError(
+                f"pipeline replicas sync by an all-reduce inside the schedule; layout "
+                f"{self.mesh.dims.describe()} asks for {self.mesh.dims.sync.describe()}"
+            )
         self.stage_index = self.mesh.pp_rank
         self.num_stages = par.pp
         self.bounds = stage_boundaries(cfg.model.block_count(), par.pp, par.split_points)
@@ -123,19 +129,21 @@ class PipelineParallel(StrategyDefaults):
         self._schedule_for(loss_fn)
         optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
-        busy_before = self.timer.busy_s
+        busy_before, synced_before = self.timer.busy_s, self.timer.sync_s
         start = time.perf_counter()
         with self.activations:
-            self._run("step", inputs, targets, losses)  # replicas all-reduce in its last backward
+            self._run("step", inputs, targets, losses)  # replicas all-reduce at its end
         scheduled = time.perf_counter()
-        self.timer.end_step(scheduled - start)
+        synced = self.timer.sync_s - synced_before
+        self.timer.end_step(scheduled - start - synced)
         optimizer.step()
         busy = self.timer.busy_s - busy_before
-        # The schedule's time not spent in this stage's own compute went to waiting for (and
-        # exchanging activations with) its neighbours: the bubble.
+        # The schedule's time not spent in this stage's own compute or the replicas' all-reduce
+        # went to waiting for (and exchanging activations with) its neighbours: the bubble.
         self.last_step_parts = {
             "compute": busy + (time.perf_counter() - scheduled),
-            "bubble": max(scheduled - start - busy, 0.0),
+            "bubble": max(scheduled - start - busy - synced, 0.0),
+            "comm": synced,
         }
         return torch.stack(losses).mean().detach() if self.is_last else None
 

@@ -17,8 +17,10 @@ the group spans, plus a latency per ring step.
 
 Context parallelism (cp workers per sequence, each holding T/cp tokens of the same rows) divides
 every token's compute, every activation and the tensor-parallel all-reduces by cp; the model's
-gradients are averaged over the dp x cp workers that hold them, after backward (raylane's cp
-layouts average one buffer once backward is over, as tensor-parallel replicas do).
+gradients are averaged over the dp x cp workers that hold them, charged as exposed after backward
+(raylane's cp layouts all-reduce them by FSDP2's `replicate` as tensor-parallel replicas do:
+block by block inside backward, which NCCL may overlap and gloo does not; the model keeps the
+conservative charge).
 
 Activation memory follows Korthikanti et al., "Reducing Activation Recomputation in Large
 Transformer Models" (MLSys 2023), eq. 2: s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes per layer for
@@ -253,9 +255,10 @@ def _comm_s(
     dp_total = _dp_sync_s(params * work.value_bytes, layout, spec.devices_per_node, intra,
                           dp_link, latency)  # fmt: skip
     # Overlapped with backward where it runs per block as backward goes (DDP's buckets, FSDP's
-    # reduce-scatters: in a pipeline, during the last micro-batch's backward); after it for
-    # tensor-parallel, pipeline and context-parallel replicas, which average once backward
-    # is over.
+    # reduce-scatters: in a pipeline, during the last micro-batch's backward); charged after it
+    # for tensor-parallel, pipeline and context-parallel replicas (FSDP2's `replicate`: a
+    # pipeline's all-reduce follows the last backward; tp and cp replicas' runs block by block,
+    # which the model does not credit).
     dims = layout.dims
     overlapped = dims.fsdp_enabled or not (dims.tp_enabled or dims.pp_enabled or dims.cp_enabled)
     window = compute * 2 / 3 / layout.microbatches

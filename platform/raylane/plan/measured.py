@@ -31,7 +31,7 @@ rows/cp (the fixed per-op cost kept); the attention core's share of it, the comp
 step hides a transfer behind, is Megatron's s/6h term at the whole sequence. The fits time
 torch's fused attention, and raylane's ring kernel is slower per block (explicit matmuls, fp32
 softmax: `benchmarks/README.md`, long_context), which the first measured trial's calibration
-absorbs. The model's gradients are averaged over the dp x cp workers after backward.
+absorbs. The model's gradients are averaged over the dp x cp workers, charged after backward.
 
 Memory is the worker's baseline (resident memory on CPUs; on a GPU run the device's, as
 torch's allocator counts it) plus model state (parameters, gradients, optimizer state,
@@ -330,7 +330,7 @@ def _sync_comm(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
             grad_bytes = _FP32 * ends_params
         gathered = grad_bytes / 2 if cfg.training.precision == "bf16" else grad_bytes
         return 0.5 * _link(ring, grad_bytes) + _link(ring, gathered) + skew
-    if dims.tp_enabled or dims.pp_enabled or dims.cp_enabled:  # averaged after backward
+    if dims.tp_enabled or dims.pp_enabled or dims.cp_enabled:  # all-reduced, charged exposed
         sent = _link(ring, grad_bytes * _compression_ratio(cfg))
         return sent + (skew if par.workers > 1 else 0.0)
     # DDP: what backward waits for after its last bucket, less what compression saves.

@@ -125,15 +125,18 @@ def restore_parts(
 def _load_whole_state(model, optimizer, weights: dict, moments: dict) -> None:
     """Whole tensors (a part file's) into a model of replicated DTensors and its optimizer, by
     torch's full-state-dict loaders; the optimizer's state, saved by parameter index, keyed by
-    parameter name in the order the optimizer holds them."""
+    parameter name in the order the optimizer holds them (a parameter without state, one
+    that never had a gradient, keeps its zero state)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    options = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, weights, options=options)
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+    if not moments["state"]:  # plain SGD keeps none (torch's loader needs a tensor in it)
+        return
     name_of = {id(param): name for name, param in model.named_parameters()}
     names = [name_of[id(p)] for group in optimizer.param_groups for p in group["params"]]
     by_name = {
