@@ -114,6 +114,25 @@ def check_parquet(path: Path, cfg: RaylaneConfig) -> DatasetInfo:
     files = parquet_files(path)
     if not files:
         raise DataError(f"{path}: no Parquet files found")
+    try:
+        width, rows, learnt, low, high = _scan(path, files, cfg)
+    finally:
+        # The pages the pass read into go back to the system: Arrow's allocator keeps them
+        # otherwise, and the driver would hold them (about 50 MB) through the whole run.
+        pa.default_memory_pool().release_unused()
+    if rows == 0:
+        raise DataError(f"{path}: dataset is empty")
+    if learnt == 0:
+        raise DataError(f"{path}: every label is {IGNORE_INDEX} (ignored): nothing to learn")
+    if low is None or low < 0 or high >= cfg.model.num_classes:
+        raise DataError(
+            f"{path}: labels span [{low}, {high}] but model.num_classes is {cfg.model.num_classes}"
+        )
+    return DatasetInfo(path=path, rows=rows, features=width)
+
+
+def _scan(path: Path, files: list[Path], cfg: RaylaneConfig) -> tuple:
+    """One pass over a split: its feature width, rows, learnt labels and label range."""
     rows, width, low, high, learnt = 0, None, None, None, 0
     for table in _column_batches(path, files, cfg):
         rows += table.num_rows
@@ -130,15 +149,7 @@ def check_parquet(path: Path, cfg: RaylaneConfig) -> DatasetInfo:
         if len(labels):
             low = min(x for x in (low, pc.min(labels).as_py()) if x is not None)
             high = max(x for x in (high, pc.max(labels).as_py()) if x is not None)
-    if rows == 0:
-        raise DataError(f"{path}: dataset is empty")
-    if learnt == 0:
-        raise DataError(f"{path}: every label is {IGNORE_INDEX} (ignored): nothing to learn")
-    if low is None or low < 0 or high >= cfg.model.num_classes:
-        raise DataError(
-            f"{path}: labels span [{low}, {high}] but model.num_classes is {cfg.model.num_classes}"
-        )
-    return DatasetInfo(path=path, rows=rows, features=width)
+    return width, rows, learnt, low, high
 
 
 def _column_batches(path: Path, files: list[Path], cfg: RaylaneConfig) -> Iterator[pa.Table]:
