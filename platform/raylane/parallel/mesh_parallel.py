@@ -70,14 +70,7 @@ class MeshParallel(StrategyDefaults):
             )
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
-        wrapped = self._parallelize(model)
-        if self.mesh.replicate_in_backward:  # what the replicas' all-reduce carries each step
-            trained = [p for p in wrapped.parameters() if p.requires_grad]
-            self.replicated_bytes = sum(local_bytes(p) for p in trained)
-        return wrapped
-
-    def _parallelize(self, model: nn.Module) -> nn.Module:
-        return parallelize(
+        wrapped = parallelize(
             model.to(self.device),
             self.mesh,
             activation_checkpointing=self.activation_checkpointing,
@@ -86,6 +79,10 @@ class MeshParallel(StrategyDefaults):
             vocabulary_loss=self.vocabulary_loss,
             compile_blocks=self.compile_blocks,
         )
+        if self.mesh.replicate_in_backward:  # what the replicas' all-reduce carries each step
+            trained = [p for p in wrapped.parameters() if p.requires_grad]
+            self.replicated_bytes = sum(local_bytes(p) for p in trained)
+        return wrapped
 
     def loss_scope(self):
         if not self.vocabulary_loss:

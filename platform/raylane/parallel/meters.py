@@ -24,10 +24,10 @@ class StageTimer:
     def __init__(self):
         self.reset()
         self._paused = False
-        self.sync_s = 0.0
 
     def reset(self) -> None:
         self.busy_s = 0.0
+        self.sync_s = 0.0
         self.wall_s = 0.0
         self.steps = 0
 

@@ -133,7 +133,6 @@ def _load_whole_state(model, optimizer, weights: dict, moments: dict) -> None:
         set_optimizer_state_dict,
     )
 
-    options = StateDictOptions(full_state_dict=True, strict=False)
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
     if not moments["state"]:  # plain SGD keeps none (torch's loader needs a tensor in it)
         return
@@ -146,7 +145,8 @@ def _load_whole_state(model, optimizer, weights: dict, moments: dict) -> None:
             for group in moments["param_groups"]
         ],
     }
-    set_optimizer_state_dict(model, optimizer, by_name, options=options)
+    whole_and_partial = StateDictOptions(full_state_dict=True, strict=False)
+    set_optimizer_state_dict(model, optimizer, by_name, options=whole_and_partial)
 
 
 def _write_meta(directory: Path, epoch: int, metrics: dict) -> None:
