@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ from raylane.config.layout import describe_stages
 from raylane.config.loader import config_to_yaml, flatten
 from raylane.data.files import TOKENIZER_FILE
 from raylane.data.parquet import dataset_digest
-from raylane.tracking.step_plot import step_split_figure
+from raylane.tracking.step_plot import STEP_SPLIT_ARTIFACT
 
 if TYPE_CHECKING:
     from torch import nn
@@ -168,14 +169,15 @@ class EpochLogger:
             except Exception as exc:  # noqa: BLE001 - metrics matter more; say it and go on
                 log.warning("%s.json not logged: %s", name, exc)
 
-    def log_step_split(self, history: list[dict[str, float]]) -> None:
-        """The per-epoch step-time split as a stacked-bar figure (`step_time_split.png`)."""
-        if not history:
-            return
+    def log_step_split(self, png: bytes) -> None:
+        """The per-epoch step-time split figure (`step_split_png`) as `step_time_split.png`."""
         try:
-            self._client.log_figure(self._run_id, step_split_figure(history), "step_time_split.png")
+            with tempfile.TemporaryDirectory(prefix="raylane-figure-") as folder:
+                path = Path(folder) / STEP_SPLIT_ARTIFACT
+                path.write_bytes(png)
+                self._client.log_artifact(self._run_id, str(path))
         except Exception as exc:  # noqa: BLE001
-            log.warning("step_time_split.png not logged: %s", exc)
+            log.warning("%s not logged: %s", STEP_SPLIT_ARTIFACT, exc)
 
     def log(self, metrics: dict[str, float], step: int, at: float | None = None) -> None:
         """Metrics at `step`, stamped `at` (when they were measured; now by default)."""

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+import io
+
 from raylane.tracking.step_times import PARTS
+
+STEP_SPLIT_ARTIFACT = "step_time_split.png"
+
+
+def step_split_png(history: list[dict[str, float]]) -> bytes:
+    """`step_split_figure` as PNG bytes (what the run logs as `STEP_SPLIT_ARTIFACT`)."""
+    buffer = io.BytesIO()
+    step_split_figure(history).savefig(buffer, format="png")
+    return buffer.getvalue()
 
 
 def step_split_figure(history: list[dict[str, float]]):

@@ -2,11 +2,12 @@
 0's records go into the MLflow run and each finished epoch gets one line on the console.
 
 A thread reads the journal twice a second. Placement and code identity, epoch metrics, tables
-and the step-time split figure are logged through one `EpochLogger`, whose outage buffer keeps
-training going while the tracking server is away; past the outage window the recorder stops
-the fit as Ctrl-C does (Ray Train aborts the run, which stays resumable from its checkpoints)
-and the job ends with the logger's one line. Where ranks run on the driver's own node, the
-driver samples that node's system metrics (ranks on other nodes sample theirs).
+and the step-time split figure (drawn by a Ray task, `draw_step_split`) are logged through
+one `EpochLogger`, whose outage buffer keeps training going while the tracking server is
+away; past the outage window the recorder stops the fit as Ctrl-C does (Ray Train aborts
+the run, which stays resumable from its checkpoints) and the job ends with the logger's one
+line. Where ranks run on the driver's own node, the driver samples that node's system
+metrics (ranks on other nodes sample theirs).
 """
 
 from __future__ import annotations
@@ -19,12 +20,29 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import ray
+
 from raylane.tracking.runs import EpochLogger, TrackingOutageError
+from raylane.tracking.step_plot import STEP_SPLIT_ARTIFACT, step_split_png
 from raylane.tracking.system_metrics import node_label, node_monitor
 from raylane.train.journal import read_records
 from raylane.train.progress import format_epoch
 
 log = logging.getLogger("raylane")
+
+#: How long the step split figure's task may take (a process start and matplotlib's import).
+DRAW_TIMEOUT_S = 120.0
+
+
+def draw_step_split(history: list[dict[str, float]]) -> bytes:
+    """The step split figure of `history` as PNG. Connected to Ray (the job's driver), a task
+    draws it: matplotlib, about 33 MB resident once imported, stays out of the driver, whose
+    memory is then its imports, MLflow's store and Ray's, whatever the corpus or the run's
+    length. Without Ray it is drawn in this process."""
+    if not ray.is_initialized():
+        return step_split_png(history)
+    draw = ray.remote(num_cpus=0, max_retries=0)(step_split_png)
+    return ray.get(draw.remote(history), timeout=DRAW_TIMEOUT_S)
 
 
 class RunRecorder:
@@ -131,7 +149,14 @@ class RunRecorder:
 
     def _log_figure(self) -> None:
         self._figure_due = False
-        self._logger.log_step_split(self._history)
+        if not self._history:
+            return
+        try:
+            png = draw_step_split(self._history)
+        except Exception as exc:  # noqa: BLE001 - the metrics are logged; say it and go on
+            log.warning("%s not drawn: %s", STEP_SPLIT_ARTIFACT, exc)
+            return
+        self._logger.log_step_split(png)
 
     def _apply(self, record: dict[str, Any]) -> None:
         kind = record["kind"]
