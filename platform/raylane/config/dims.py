@@ -188,6 +188,17 @@ class ParallelDims:
     def cp_enabled(self) -> bool:
         return self.cp > 1
 
+    @property
+    def replicates_split_model(self) -> bool:
+        """Whether replicas of a split but unsharded model (tensor parallel, pipeline stages,
+        context parallel) all-reduce their gradients inside backward, by FSDP2's `replicate`:
+        there are replicas (`dp_replicate x cp`), nothing is sharded and the sync is the
+        plain all-reduce (a compressed one is the strategy's own). FSDP2 then holds a second,
+        unsharded copy of those parameters from forward to the end of backward."""
+        split = self.tp > 1 or self.pp > 1 or self.cp > 1
+        plain = self.sync.kind == "all_reduce" and self.sync.compression == "none"
+        return split and not self.fsdp_enabled and self.dp_replicate * self.cp > 1 and plain
+
     def mesh_shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, name) for name in MESH_DIMS)
 

@@ -98,11 +98,7 @@ class ParallelMesh:
         `replicate` (`raylane.parallel.parallelize.apply_data_parallel`): there are
         replicas, they train together, and their sync is the plain all-reduce (a compressed
         one is the strategy's: `raylane.parallel.grad_compression.GroupAverager`)."""
-        dims = self.dims
-        plain_all_reduce = dims.sync.kind == "all_reduce" and dims.sync.compression == "none"
-        return (
-            not dims.fsdp_enabled and self.replicas > 1 and self.hybrid_shard and plain_all_reduce
-        )
+        return self.hybrid_shard and self.dims.replicates_split_model
 
     @property
     def shard_mesh(self) -> DeviceMesh:

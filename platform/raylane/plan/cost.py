@@ -58,6 +58,7 @@ from raylane.plan.ring import RING_VALUE_BYTES, exposed_ring_s, kv_block_bytes, 
 DEFAULT_EFFICIENCY = 0.7
 #: Bytes of a fused attention kernel's log-sum-exp per head and token (fp32 in every precision).
 LSE_BYTES = 4
+FP32_BYTES = 4
 #: Share of device memory a plan may fill (the rest: allocator, workspaces, fragmentation).
 MEMORY_HEADROOM = 0.9
 
@@ -198,7 +199,10 @@ def predict(
     per_param = MIXED_PRECISION_ADAM if work.precision == "bf16" else FP32_ADAM
     state = sharded_state(params, layout.dims.dp_shard, layout.zero_stage, per_param)
     activations = _activation_bytes(work, layout, micro_rows)
-    memory = state.total + activations
+    # FSDP2's `replicate` (replicas of a split model) holds its parameters' fp32 unsharded
+    # copy from forward to the end of backward, beside the model state.
+    gathered = FP32_BYTES * params if layout.dims.replicates_split_model else 0.0
+    memory = state.total + activations + gathered
     fits = memory <= cluster.device.memory_gb * 1e9 * MEMORY_HEADROOM
     return Prediction(
         layout=layout,

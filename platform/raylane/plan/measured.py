@@ -35,7 +35,8 @@ absorbs. The model's gradients are averaged over the dp x cp workers, charged af
 
 Memory is the worker's baseline (resident memory on CPUs; on a GPU run the device's, as
 torch's allocator counts it) plus model state (parameters, gradients, optimizer state,
-sharded as the strategy shards them) plus the activations autograd saves (per row, as
+sharded as the strategy shards them; replicas of a split model also hold FSDP2 `replicate`'s
+fp32 unsharded copy of the parameters) plus the activations autograd saves (per row, as
 profiled) for the micro-batches a stage holds at once: 1/cp of them under context parallelism
 (activations are linear in T: attention saves its output and log-sum-exp, never T x T
 scores), and with sequence parallelism six T x d inputs per block (the two LayerNorms', and
@@ -361,6 +362,8 @@ def _peak_memory_mb(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
     state_per_param = _STATE_BYTES_PER_PARAM[cfg.training.optimizer]
     if cfg.training.precision == "bf16":
         state_per_param += _BF16_WEIGHT_COPY_BYTES
+    if cfg.parallelism.dims.replicates_split_model:  # FSDP2 `replicate`'s unsharded copy
+        state_per_param += _FP32
     return _baseline_mb(profile, cfg) + state_per_param * shape.params_held / 2**20
 
 
