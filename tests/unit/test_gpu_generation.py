@@ -223,12 +223,13 @@ def test_replicas_ask_ray_for_gpus_and_serve_in_the_configured_dtype():
     cfg = load_config(lm, [*settings, "serving.generation.max_model_len=2048"])
     deployment = build_app(cfg, "sqlite:///unused.db", 3, None)._bound_deployment
     assert deployment.ray_actor_options["num_gpus"] == 0.5
-    assert deployment.init_kwargs == {
-        "replica_gpus": 0.5, "dtype": "bf16", "cuda_graphs": False, "max_model_len": 2048
-    }  # fmt: skip
+    assert deployment.init_args[0].replica_gpus == 0.5
+    assert deployment.init_args[0].version == 3
+    assert deployment.init_kwargs == {"dtype": "bf16", "cuda_graphs": False, "max_model_len": 2048}
     digits = ROOT / "configs" / "train" / "digits_ddp.yaml"
     deployment = build_app(load_config(digits, []), "sqlite:///unused.db", 1, None)
     assert deployment._bound_deployment.ray_actor_options["num_gpus"] == 0
+    assert deployment._bound_deployment.init_args[0].replica_gpus == 0
     with pytest.raises(ConfigError, match="dtype 'bf16' applies to api 'generate'"):
         load_config(digits, ["serving.dtype=bf16"])
     with pytest.raises(ConfigError, match="serving.replica_gpus"):

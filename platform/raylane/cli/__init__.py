@@ -52,7 +52,7 @@ COMMANDS = (
            "Measure the model's blocks and the worker group's links.", PLANNING),
     Listed("deploy", "raylane.cli.serving:deploy",
            "Serve a registered model on Ray Serve.", SERVING),
-    Listed("generate", "raylane.cli.generate:generate",
+    Listed("generate", "raylane.cli.serving:generate",
            "Generate text from a registered language model, here.", SERVING),
     Listed("promote", "raylane.cli.serving:promote",
            "Give a version the champion alias; a running app rolls.", SERVING),

@@ -18,9 +18,15 @@ DEFAULT_CONFIG = Path("configs/train/digits_ddp.yaml")
 
 console = Console(stderr=True)
 
-ConfigOption = Annotated[
-    Path, typer.Option("--config", "-c", help="Run config YAML (see configs/).")
-]
+
+def _config_option(help: str):
+    """The `--config/-c` option, its help saying what this command reads."""
+    return Annotated[Path, typer.Option("--config", "-c", help=help)]
+
+
+ConfigOption = _config_option("Run config YAML (see configs/).")
+SpecOption = _config_option("Search spec YAML (see configs/tune/).")
+FinetuneConfigOption = _config_option("A config with a `finetune:` section.")
 
 
 def _set_option(example: str):

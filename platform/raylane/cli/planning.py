@@ -12,6 +12,7 @@ from raylane.cli.common import (
     DEFAULT_CONFIG,
     PlanSetOption,
     SetOption,
+    SpecOption,
     TuneSetOption,
     VerboseOption,
     console,
@@ -36,9 +37,7 @@ profile_job = deferred("raylane.profile.job")
 
 
 def tune(
-    config: Annotated[
-        Path, typer.Option("--config", "-c", help="Search spec YAML (see configs/tune/).")
-    ] = Path("configs/tune/parallelism.yaml"),
+    config: SpecOption = Path("configs/tune/parallelism.yaml"),
     overrides: TuneSetOption = None,
     verbose: VerboseOption = False,
 ) -> None:

@@ -1,13 +1,17 @@
-"""`raylane deploy`, `promote` and `status`: a registered model served on Ray Serve, the
-version it serves, and what is running."""
+"""`raylane deploy`, `promote`, `status` and `undeploy`: a registered model served on Ray
+Serve, the version it serves, and what is running; `raylane generate`: text from a registered
+language model, here, without a cluster."""
 
 from __future__ import annotations
 
 import os
+import sys
 import time
+from pathlib import Path
 from typing import Annotated
 
 import typer
+from pydantic import ValidationError
 from rich.console import Console
 
 from raylane.cli.common import (
@@ -36,6 +40,11 @@ from raylane.tracking import resolve_tracking_uri
 registry = deferred("raylane.tracking.registry")
 serve_app = deferred("raylane.serving.app")
 serve_status = deferred("raylane.serving.status")
+# `raylane generate`: torch, the engine and the model's loader.
+engine_module = deferred("raylane.serving.generation.engine")
+loader = deferred("raylane.serving.generation.loader")
+sampling = deferred("raylane.serving.generation.sampling")
+openai_protocol = deferred("raylane.serving.openai_protocol")
 
 
 def deploy(
@@ -96,22 +105,18 @@ def _print_endpoint(cfg: RaylaneConfig, url: str) -> None:
         console.print(f"endpoint: {url}/v2/models/{cfg.serving.model_name}/infer  docs: {url}/docs")
 
 
+def _argument(metavar: str, help: str):
+    """An optional positional argument, shown as `metavar`."""
+    return typer.Argument(metavar=metavar, help=help, show_default=False)
+
+
 def promote(
     model: Annotated[
         str | None,
-        typer.Argument(
-            metavar="MODEL",
-            help="Registered model (default: the config's tracking.registered_model).",
-            show_default=False,
-        ),
+        _argument("MODEL", "Registered model (default: the config's tracking.registered_model)."),
     ] = None,
     version: Annotated[
-        str | None,
-        typer.Argument(
-            metavar="VERSION",
-            help="Registry version to give the alias (required).",
-            show_default=False,
-        ),
+        str | None, _argument("VERSION", "Registry version to give the alias (required).")
     ] = None,
     config: ConfigOption = DEFAULT_CONFIG,
     overrides: ServingSetOption = None,
@@ -194,6 +199,67 @@ def undeploy(config: ConfigOption = DEFAULT_CONFIG, overrides: ServingSetOption 
         removed = serve_app.undeploy(name)
     said = f"removed Serve app {name!r}" if removed else f"no {name!r} Serve app on the cluster"
     console.print(said, highlight=False)
+
+
+def generate(
+    prompt: Annotated[str, typer.Option("--prompt", "-p", help="Text to continue.")],
+    config: ConfigOption = Path("configs/train/lm_serve.yaml"),
+    overrides: ServingSetOption = None,
+    version: VersionOption = None,
+    max_tokens: Annotated[
+        int, typer.Option(help="Tokens to generate at most (bytes for a byte-level GPT).")
+    ] = 128,
+    temperature: Annotated[float, typer.Option(help="0 is greedy.")] = 0.8,
+    top_k: Annotated[int, typer.Option(help="Sample among the k likeliest (0: all).")] = 0,
+    top_p: Annotated[float, typer.Option(help="Sample within this probability mass.")] = 1.0,
+    seed: Annotated[int | None, typer.Option(help="Seed (repeatable output).")] = None,
+    stop: Annotated[list[str] | None, typer.Option(help="Stop before this text.")] = None,
+) -> None:
+    """Generate text from a registered language model, here (no cluster needed).
+
+    The model runs with its KV cache; the text is printed as it comes.
+
+    Example: raylane generate --prompt 'def main('
+    """
+    setup_logging()
+    cfg = load(config, [*(overrides or []), *version_override(version)])
+    try:
+        params = sampling.SamplingParams(
+            max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+            seed=seed, stop=stop or (),
+        )  # fmt: skip
+    except ValidationError as exc:
+        raise fail(openai_protocol.first_error(exc)) from None
+    with user_mistakes(ValueError):
+        tracking_uri = resolve_tracking_uri(cfg.tracking.tracking_uri)
+        served = serve_app.resolve_served_version(cfg, tracking_uri)
+        model, card = loader.load_language_model(
+            tracking_uri, cfg.tracking.registered_model, served
+        )
+        generation = cfg.serving.generation
+        draft, draft_card = None, None
+        if generation.draft_model is not None:
+            draft, draft_card = loader.load_draft_model(tracking_uri, generation.draft_model)
+        engine = engine_module.GenerationEngine(
+            model, 1, speculate=generation.speculate, draft=draft, codec=card.codec,
+            draft_codec=draft_card.codec if draft_card is not None else None,
+            max_model_len=generation.max_model_len,
+        )  # fmt: skip
+        sequence = engine.add(card.codec.encode(prompt), params)
+    console.print(f"{card.registered_model} v{card.version}, {card.parameters:,} parameters",
+                  highlight=False)  # fmt: skip
+    text = openai_protocol.TextStream()
+    out = sys.stdout
+    out.write(prompt)
+    while not sequence.finished:
+        for event in engine.step():
+            out.write(text.feed(event.text, final=event.finished))
+            out.flush()
+    out.write("\n")
+    finish = f"finish: {sequence.finish_reason}, {len(sequence.output)} tokens"
+    if engine.acceptance_rate is not None:
+        finish += f", {engine.acceptance_rate:.0%} of proposed tokens accepted"
+    console.print(finish, highlight=False)
 
 
 def _cluster_address() -> str | None:

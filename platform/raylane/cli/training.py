@@ -12,6 +12,7 @@ from rich.table import Table
 from raylane.cli.common import (
     DEFAULT_CONFIG,
     ConfigOption,
+    FinetuneConfigOption,
     SetOption,
     VerboseOption,
     console,
@@ -73,9 +74,7 @@ def _train_and_report(cfg: RaylaneConfig, phases, report=None, **run_options) ->
 
 
 def finetune(
-    config: Annotated[
-        Path, typer.Option("--config", "-c", help="A config with a `finetune:` section.")
-    ] = Path("configs/finetune/lm_lora.yaml"),
+    config: FinetuneConfigOption = Path("configs/finetune/lm_lora.yaml"),
     overrides: SetOption = None,
     verbose: VerboseOption = False,
 ) -> None:

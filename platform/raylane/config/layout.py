@@ -173,6 +173,12 @@ def _check_unpipelined(cfg: LayoutConfig) -> None:
         )
 
 
+def _straggler_below(par: ParallelismConfig, workers: int, why: str) -> None:
+    """The straggler's ranks below `workers`; else one line saying `why`."""
+    if par.straggler is not None and max(par.straggler.ranks) >= workers:
+        raise ValueError(f"parallelism.straggler.rank {max(par.straggler.ranks)} {why}")
+
+
 def _check_elastic(cfg: LayoutConfig) -> None:
     """An elastic worker range: a data-parallel layout whose workers agree after every step
     (DDP's replicas, or FSDP's shards, which a checkpoint re-shards onto any count), and a
@@ -191,11 +197,8 @@ def _check_elastic(cfg: LayoutConfig) -> None:
             "checkpoint; set training.checkpoint_every_steps (else a resize costs up to an "
             "epoch, and drain notices are not watched)"
         )
-    if par.straggler is not None and max(par.straggler.ranks) >= par.min_workers:
-        raise ValueError(
-            f"parallelism.straggler.rank {max(par.straggler.ranks)} may name no worker: an "
-            f"elastic run can shrink to min ({par.min_workers}) workers"
-        )
+    shrinks = f"an elastic run can shrink to min ({par.min_workers}) workers"
+    _straggler_below(par, par.min_workers, f"may name no worker: {shrinks}")
     global_batch = cfg.training.batch_size * par.workers
     uneven = [n for n in range(par.min_workers, par.workers + 1) if global_batch % n]
     if uneven:
@@ -259,11 +262,7 @@ def _check_options(cfg: LayoutConfig) -> None:
             "parallelism.grad_compression 'bf16' needs NCCL (parallelism.use_gpu: true); "
             "gloo on CPU cannot all-reduce bf16, use 'fp16' or 'powersgd'"
         )
-    if par.straggler is not None and max(par.straggler.ranks) >= par.workers:
-        raise ValueError(
-            f"parallelism.straggler.rank {max(par.straggler.ranks)} names no worker; "
-            f"ranks are 0-{par.workers - 1}"
-        )
+    _straggler_below(par, par.workers, f"names no worker; ranks are 0-{par.workers - 1}")
     if par.sequence_parallel and (par.tp == 1 or cfg.model.kind not in ("gpt", "llama")):
         raise ValueError(
             "parallelism.sequence_parallel splits the sequence inside tensor-parallel "
@@ -298,15 +297,10 @@ def _check_context(cfg: LayoutConfig) -> None:
             f"{listed(names('cp'))} layout (replicas, tensor parallelism); not strategy "
             f"'{par.strategy}' with pp {par.pp}"
         )
-    if cfg.model.kind == "custom":
-        raise ValueError(
-            f"parallelism.cp {par.cp} splits attention over workers (ring attention); a "
-            "custom model (model.kind 'custom') has no context-parallel plan: set cp 1"
-        )
-    if cfg.model.kind not in ("gpt", "llama"):
-        raise ValueError(
-            "parallelism.cp splits token sequences; model.kind must be 'gpt' or 'llama'"
-        )
+    ring = "splits attention over workers (ring attention)"
+    _split_plan(
+        cfg.model.kind, f"parallelism.cp {par.cp} {ring}", "context-parallel plan: set cp 1"
+    )
     if cfg.model.input_dim % (2 * par.cp):
         raise ValueError(
             f"parallelism.cp {par.cp} cuts each sequence into 2 * cp = {2 * par.cp} equal "
@@ -316,18 +310,19 @@ def _check_context(cfg: LayoutConfig) -> None:
         raise ValueError("parallelism.cp is not available for fine-tuning runs yet")
 
 
+def _split_plan(kind: str, what: str, plan: str) -> None:
+    """A layout that splits a language model's blocks (`what`) over workers: one line for
+    a custom model, which has no such `plan`, and for a classifier."""
+    if kind == "custom":
+        raise ValueError(f"{what}; a custom model (model.kind 'custom') has no {plan}")
+    if kind not in ("gpt", "llama"):
+        raise ValueError(f"{what}; model.kind must be 'gpt' or 'llama', not '{kind}'")
+
+
 def _check_pipelined(cfg: LayoutConfig) -> None:
     par = cfg.parallelism
-    if cfg.model.kind == "custom":
-        raise ValueError(
-            f"parallelism.pp {par.pp} cuts transformer blocks into pipeline stages; a custom model "
-            "(model.kind 'custom') has no stage plan: set pp 1"
-        )
-    if cfg.model.kind not in ("gpt", "llama"):
-        raise ValueError(
-            f"parallelism.pp {par.pp} splits transformer blocks into stages; model.kind must "
-            f"be 'gpt' or 'llama', not '{cfg.model.kind}'"
-        )
+    stages = "cuts transformer blocks into pipeline stages"
+    _split_plan(cfg.model.kind, f"parallelism.pp {par.pp} {stages}", "stage plan: set pp 1")
     if cfg.model.kind == "llama" and cfg.model.llama_tied():
         raise ValueError(
             f"parallelism.pp {par.pp} puts the embedding on the first stage and the head on the "

@@ -30,6 +30,8 @@ __all__ = [
 
 #: Failures an elastic run recovers from when `training.max_failures` is not set.
 ELASTIC_MAX_FAILURES = 3
+#: The model kinds that read token data, generate text and take adapters.
+LANGUAGE_MODELS = ("gpt", "llama")
 
 
 class TrainingConfig(StrictModel):
@@ -222,11 +224,8 @@ class RaylaneConfig(StrictModel):
     def _check_finetune(self) -> RaylaneConfig:
         if self.finetune is None:
             return self
-        if self.model.kind not in ("gpt", "llama"):
-            raise ValueError(
-                f"finetune adapts a registered language model (gpt or llama); model.kind is "
-                f"'{self.model.kind}'"
-            )
+        finetune = "finetune adapts a registered language model"
+        _require_kind(self.model.kind, LANGUAGE_MODELS, finetune)
         par, dims = self.parallelism, self.parallelism.dims
         # Every worker trains the whole (adapted) model, replicated or sharded, in lockstep.
         if dims.sync.kind != "all_reduce" or dims.pp_enabled or dims.tp_enabled:
@@ -244,17 +243,10 @@ class RaylaneConfig(StrictModel):
         if self.data.source != "files":
             return self
         if self.data.tabular:
-            if self.model.kind not in ("mlp", "cnn"):
-                raise ValueError(
-                    f"data.files are tables (csv, parquet) of features and a class: model.kind "
-                    f"must be 'mlp' or 'cnn', not '{self.model.kind}'"
-                )
+            tables = "data.files are tables (csv, parquet) of features and a class"
+            _require_kind(self.model.kind, ("mlp", "cnn"), tables)
             return self
-        if self.model.kind not in ("gpt", "llama"):
-            raise ValueError(
-                f"data.source 'files' is token data: model.kind must be 'gpt' or 'llama', not "
-                f"'{self.model.kind}'"
-            )
+        _require_kind(self.model.kind, LANGUAGE_MODELS, "data.source 'files' is token data")
         tokenizer = self.data.tokenizer
         if tokenizer == "bytes":
             vocabulary, what = 256, "'bytes' has 256 tokens"
@@ -273,21 +265,16 @@ class RaylaneConfig(StrictModel):
     @model_validator(mode="after")
     def _check_dataset_matches_model(self) -> RaylaneConfig:
         if self.data.source in ("python-stdlib", "python-stdlib-tests"):
-            if self.model.kind not in ("gpt", "llama"):
-                raise ValueError(
-                    f"data.source '{self.data.source}' is token data: model.kind must be "
-                    f"'gpt' or 'llama', not '{self.model.kind}'"
-                )
+            token_data = f"data.source '{self.data.source}' is token data"
+            _require_kind(self.model.kind, LANGUAGE_MODELS, token_data)
             if self.model.num_classes != 256:
                 raise ValueError(
                     f"model.num_classes is {self.model.num_classes} but {self.data.source} "
                     "is byte-level (256 tokens)"
                 )
-        if self.serving.api == "generate" and self.model.kind not in ("gpt", "llama"):
-            raise ValueError(
-                f"serving.api 'generate' needs a language model (gpt or llama), not model.kind "
-                f"'{self.model.kind}'"
-            )
+        if self.serving.api == "generate":
+            serves = "serving.api 'generate' serves a language model"
+            _require_kind(self.model.kind, LANGUAGE_MODELS, serves)
         if self.data.source == "sklearn-digits" and self.model.kind == "gpt":
             raise ValueError("model.kind 'gpt' needs token data (data.source 'python-stdlib')")
         if self.data.source == "sklearn-digits":
@@ -302,6 +289,13 @@ class RaylaneConfig(StrictModel):
                     f"{DIGITS_CLASSES} classes"
                 )
         return self
+
+
+def _require_kind(kind: str, allowed: tuple[str, ...], what: str) -> None:
+    """One line, `what` first, when `kind` is not one of `allowed`."""
+    if kind not in allowed:
+        kinds = " or ".join(f"'{name}'" for name in allowed)
+        raise ValueError(f"{what}: model.kind must be {kinds}, not '{kind}'")
 
 
 def _check_llama_split(model: ModelConfig, tp: int, sequence_parallel: bool) -> None:

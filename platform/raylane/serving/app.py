@@ -17,6 +17,7 @@ from raylane.serving import APP_NAME
 from raylane.serving.deployments import InferenceServer
 from raylane.serving.errors import ServedModelError
 from raylane.serving.guard import key_digest, load_api_key
+from raylane.serving.replica import ReplicaSetup
 from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
 from raylane.tracking.lineage import ADAPTER_TAG, recorded_shape
 from raylane.tracking.registry import resolve_version
@@ -36,9 +37,10 @@ def build_app(cfg: RaylaneConfig, tracking_uri: str, version: int, api_key: str 
     serving = cfg.serving
     scaling = serving.autoscaling
     threads = max(1, int(serving.replica_cpus))
-    common = (tracking_uri, cfg.tracking.registered_model, version, serving.model_name)
-    guard = (key_digest(api_key), serving.max_body_bytes, threads)
-    placement = {"replica_gpus": serving.replica_gpus}
+    replica = ReplicaSetup(
+        tracking_uri, cfg.tracking.registered_model, version, serving.model_name,
+        key_digest(api_key), serving.max_body_bytes, threads, serving.replica_gpus,
+    )  # fmt: skip
     if serving.api == "generate":
         # torch-heavy: replicas run the model; the deploying process needs only the class
         from raylane.serving.generation_server import GenerationServer
@@ -46,15 +48,15 @@ def build_app(cfg: RaylaneConfig, tracking_uri: str, version: int, api_key: str 
         deployment, target = GenerationServer, serving.generation.max_num_seqs
         generation = serving.generation
         args = (
-            *common, generation.max_num_seqs, generation.default_max_tokens,
-            generation.speculate, serving.quantization, *guard, generation.draft_model,
+            replica, generation.max_num_seqs, generation.default_max_tokens,
+            generation.speculate, serving.quantization, generation.draft_model,
             generation.max_adapters, generation.merge_adapter, serving.retry_after_s,
         )  # fmt: skip
-        placement |= {"dtype": serving.dtype, "cuda_graphs": serving.cuda_graphs,
-                      "max_model_len": generation.max_model_len}  # fmt: skip
+        options = {"dtype": serving.dtype, "cuda_graphs": serving.cuda_graphs,
+                   "max_model_len": generation.max_model_len}  # fmt: skip
     else:
         deployment, target = InferenceServer, serving.max_batch_size
-        args = (*common, serving.max_batch_size, serving.batch_wait_timeout_s, *guard)
+        args, options = (replica, serving.max_batch_size, serving.batch_wait_timeout_s), {}
     return deployment.options(
         ray_actor_options={
             "num_cpus": serving.replica_cpus,
@@ -78,7 +80,7 @@ def build_app(cfg: RaylaneConfig, tracking_uri: str, version: int, api_key: str 
             "upscale_delay_s": scaling.upscale_delay_s,
             "downscale_delay_s": scaling.downscale_delay_s,
         },
-    ).bind(*args, **placement)
+    ).bind(*args, **options)
 
 
 def load_api_key_for(cfg: RaylaneConfig) -> str | None:

@@ -33,6 +33,7 @@ from raylane.serving.protocol import (
     instances_to_rows,
     softmax,
 )
+from raylane.serving.replica import ReplicaSetup
 
 MAX_ROWS_PER_REQUEST = 1024
 
@@ -105,37 +106,19 @@ class InferenceServer:
         )
         return Response(body, headers=headers)
 
-    def __init__(
-        self,
-        tracking_uri: str,
-        registered_model: str,
-        version: int,
-        model_name: str,
-        max_batch_size: int,
-        batch_wait_timeout_s: float,
-        api_key_digest: str | None = None,
-        max_body_bytes: int = 4 * 1024 * 1024,
-        torch_threads: int = 1,
-        replica_gpus: float = 0.0,
-    ):
-        # lazy: torch; the deploying process builds the app without loading it
-        import torch
+    def __init__(self, replica: ReplicaSetup, max_batch_size: int, batch_wait_timeout_s: float):
+        from raylane.serving.inference import Predictor  # lazy: torch, see ReplicaSetup.start
 
-        from raylane.serving.generation.placement import serving_device  # lazy: torch, as above
-        from raylane.serving.inference import Predictor  # lazy: torch, as above
-
-        torch.set_num_threads(torch_threads)
-        GUARD.key_digest = api_key_digest
-        GUARD.max_body_bytes = max_body_bytes
-        self.model_name = model_name
+        device = replica.start(GUARD)
+        self.model_name = replica.model_name
         self.predictor = Predictor.from_registry(
-            tracking_uri, registered_model, alias="", version=version,
-            device=serving_device(replica_gpus),
+            replica.tracking_uri, replica.registered_model, alias="", version=replica.version,
+            device=device,
         )  # fmt: skip
         self.predict_batch.set_max_batch_size(max_batch_size)
         self.predict_batch.set_batch_wait_timeout_s(batch_wait_timeout_s)
         self.batch_sizes: Counter[int] = Counter()
-        self.metrics = ReplicaMetrics(model_name, self.predictor.card.version)
+        self.metrics = ReplicaMetrics(replica.model_name, self.predictor.card.version)
         INFER.handler = self
 
     @serve.batch(max_batch_size=32, batch_wait_timeout_s=0.01)

@@ -21,7 +21,6 @@ import os
 import time
 from collections.abc import AsyncIterator
 
-import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
@@ -31,7 +30,7 @@ from raylane.serving.adapter_routing import AdapterDirectory
 from raylane.serving.errors import ProtocolError, route_path
 from raylane.serving.generation.engine import MAX_MODEL_LEN, GenerationEngine
 from raylane.serving.generation.loader import load_draft_model, load_generation_model
-from raylane.serving.generation.placement import place_model, serving_device
+from raylane.serving.generation.placement import place_model
 from raylane.serving.generation_loop import GenerationLoop
 from raylane.serving.guard import GuardSettings, RequestGuard
 from raylane.serving.metrics import GenerationMetrics
@@ -48,6 +47,7 @@ from raylane.serving.openai_protocol import (
     usage,
 )
 from raylane.serving.openapi import add_component_schemas, request_body
+from raylane.serving.replica import ReplicaSetup
 
 api = FastAPI(
     title="raylane generation",
@@ -79,33 +79,26 @@ class GenerationServer:
 
     def __init__(
         self,
-        tracking_uri: str,
-        registered_model: str,
-        version: int,
-        model_name: str,
+        replica: ReplicaSetup,
         max_num_seqs: int,
         default_max_tokens: int,
         speculate: int = 0,
         quantization: str = "none",
-        api_key_digest: str | None = None,
-        max_body_bytes: int = 4 * 1024 * 1024,
-        torch_threads: int = 1,
         draft_model: str | None = None,
         max_adapters: int = 0,
         merge_adapter: bool = True,
         retry_after_s: float = 1.0,
-        replica_gpus: float = 0.0,
         dtype: str = "fp32",
         cuda_graphs: bool = False,
         max_model_len: int = MAX_MODEL_LEN,
     ):
-        torch.set_num_threads(torch_threads)
-        GUARD.key_digest = api_key_digest
-        GUARD.max_body_bytes = max_body_bytes
-        self.model_name = model_name
+        self.device, self.dtype = replica.start(GUARD), dtype
+        self.model_name = model_name = replica.model_name
         self.default_max_tokens = default_max_tokens
-        self.device, self.dtype = serving_device(replica_gpus), dtype
-        served = load_generation_model(tracking_uri, registered_model, version, merge=merge_adapter)
+        tracking_uri = replica.tracking_uri
+        served = load_generation_model(
+            tracking_uri, replica.registered_model, replica.version, merge=merge_adapter
+        )
         self.card, self.quantization = served.card, quantization
         self.codec = served.card.codec
         model = place_model(served.model, self.device, dtype, quantization)
@@ -159,12 +152,15 @@ class GenerationServer:
 
     # Open Inference Protocol generate extension.
 
-    @api.post("/v2/models/{name:path}/generate", openapi_extra=GENERATE_BODY)
-    async def generate(self, name: str, request: Request) -> dict:
+    async def _start_generate(self, name: str, request: Request):
+        """A generate request's generation, started, and its text decoder."""
         body = parse(GenerateRequest, await request.body())
         params = body.sampling(self.default_max_tokens)
-        tokens = self.codec.encode(body.text_input)
-        generation, decoder = await self._start(name, tokens, params)
+        return await self._start(name, self.codec.encode(body.text_input), params)
+
+    @api.post("/v2/models/{name:path}/generate", openapi_extra=GENERATE_BODY)
+    async def generate(self, name: str, request: Request) -> dict:
+        generation, decoder = await self._start_generate(name, request)
         text = "".join([chunk async for chunk, _ in self._chunks(generation, decoder)])
         return {
             "model_name": name,
@@ -175,10 +171,7 @@ class GenerationServer:
 
     @api.post("/v2/models/{name:path}/generate_stream", openapi_extra=GENERATE_BODY)
     async def generate_stream(self, name: str, request: Request) -> StreamingResponse:
-        body = parse(GenerateRequest, await request.body())
-        params = body.sampling(self.default_max_tokens)
-        tokens = self.codec.encode(body.text_input)
-        generation, decoder = await self._start(name, tokens, params)
+        generation, decoder = await self._start_generate(name, request)
 
         async def events() -> AsyncIterator[bytes]:
             async for chunk, finish in self._chunks(generation, decoder):

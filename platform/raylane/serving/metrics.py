@@ -17,48 +17,51 @@ FORWARD_MS_BUCKETS = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
 ROW_BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096]
 
 
-def _per_model(kind, name: str, description: str, model_name: str, **options):
-    """A Serve metric tagged with the model it describes."""
-    metric = kind(name, description=description, tag_keys=("model",), **options)
-    # Serve adds its own tags into the dict it is given: one dict per metric.
-    metric.set_default_tags({"model": model_name})
-    return metric
+class _ModelMetrics:
+    """Metrics tagged with the model a replica serves, its registry version among them."""
 
-
-def _version_gauge(model_name: str):
-    return _per_model(
-        Gauge, "raylane_served_model_version", "Registry version this replica serves.", model_name
-    )
-
-
-class ReplicaMetrics:
     def __init__(self, model_name: str, version: int):
-        self.version = _version_gauge(model_name)
-        self._version = version
+        self.model_name, self._version = model_name, version
+        self.version = self._metric(
+            Gauge, "raylane_served_model_version", "Registry version this replica serves."
+        )
         self.version.set(version)
-        self.forward_ms = _per_model(
+
+    def _metric(self, kind, name: str, description: str, **options):
+        metric = kind(name, description=description, tag_keys=("model",), **options)
+        # Serve adds its own tags into the dict it is given: one dict per metric.
+        metric.set_default_tags({"model": self.model_name})
+        return metric
+
+    def _keep_version(self) -> None:
+        # Set again with every batch or step: a gauge set only once, at start-up, was not
+        # exported under Serve's throughput-optimized mode.
+        self.version.set(self._version)
+
+
+class ReplicaMetrics(_ModelMetrics):
+    def __init__(self, model_name: str, version: int):
+        super().__init__(model_name, version)
+        self.forward_ms = self._metric(
             Histogram, "raylane_forward_latency_ms",
-            "Time of one batched model forward (milliseconds).", model_name,
-            boundaries=FORWARD_MS_BUCKETS,
+            "Time of one batched model forward (milliseconds).", boundaries=FORWARD_MS_BUCKETS,
         )  # fmt: skip
-        self.rows = _per_model(
+        self.rows = self._metric(
             Histogram, "raylane_batch_rows", "Rows (samples) carried by one batched forward.",
-            model_name, boundaries=ROW_BUCKETS,
+            boundaries=ROW_BUCKETS,
         )  # fmt: skip
 
     def record_forward(self, rows: int, seconds: float) -> None:
         self.forward_ms.observe(seconds * 1000.0)
         self.rows.observe(rows)
-        # Set again with every batch: a gauge set only once, at start-up, was not exported
-        # under Serve's throughput-optimized mode.
-        self.version.set(self._version)
+        self._keep_version()
 
 
 TTFT_MS_BUCKETS = [5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000]
 STEP_MS_BUCKETS = [0.5, 1, 2, 5, 10, 20, 50, 100, 200, 500]
 
 
-class GenerationMetrics:
+class GenerationMetrics(_ModelMetrics):
     """Time to first token, time per decode step (each running sequence's inter-token
     latency), tokens generated, and the scheduler's running / waiting sequences and cache
     slots in use."""
@@ -66,35 +69,29 @@ class GenerationMetrics:
     def __init__(self, model_name: str, version: int):
         from ray.serve.metrics import Counter
 
-        self.version = _version_gauge(model_name)
-        self._version = version
-        self.ttft_ms = _per_model(
+        super().__init__(model_name, version)
+        self.ttft_ms = self._metric(
             Histogram, "raylane_time_to_first_token_ms",
-            "From request to its first generated token (milliseconds).", model_name,
+            "From request to its first generated token (milliseconds).",
             boundaries=TTFT_MS_BUCKETS,
         )  # fmt: skip
-        self.step_ms = _per_model(
+        self.step_ms = self._metric(
             Histogram, "raylane_inter_token_latency_ms",
             "One scheduler step: the time between a running sequence's tokens (milliseconds).",
-            model_name, boundaries=STEP_MS_BUCKETS,
+            boundaries=STEP_MS_BUCKETS,
         )  # fmt: skip
-        self.running = _per_model(
-            Gauge, "raylane_running_sequences", "Sequences decoding.", model_name
+        self.running = self._metric(Gauge, "raylane_running_sequences", "Sequences decoding.")
+        self.waiting = self._metric(
+            Gauge, "raylane_waiting_sequences", "Requests waiting for a cache slot."
         )
-        self.waiting = _per_model(
-            Gauge, "raylane_waiting_sequences", "Requests waiting for a cache slot.", model_name
+        self.slots = self._metric(
+            Gauge, "raylane_cache_slots_in_use", "KV-cache slots held by sequences."
         )
-        self.slots = _per_model(
-            Gauge, "raylane_cache_slots_in_use", "KV-cache slots held by sequences.", model_name
-        )
-        self.acceptance = _per_model(
+        self.acceptance = self._metric(
             Gauge, "raylane_speculative_acceptance_rate",
             "Proposed tokens accepted (speculative decoding), since the replica started.",
-            model_name,
         )  # fmt: skip
-        self.tokens = _per_model(
-            Counter, "raylane_generated_tokens_total", "Tokens generated.", model_name
-        )
+        self.tokens = self._metric(Counter, "raylane_generated_tokens_total", "Tokens generated.")
 
     def record_step(self, engine, tokens: int, seconds: float) -> None:
         self.step_ms.observe(seconds * 1000.0)
@@ -105,7 +102,7 @@ class GenerationMetrics:
         self.slots.set(engine.cache.slots - len(engine.free))
         if engine.acceptance_rate is not None:
             self.acceptance.set(engine.acceptance_rate)
-        self.version.set(self._version)
+        self._keep_version()
 
     def record_first_token(self, seconds: float) -> None:
         self.ttft_ms.observe(seconds * 1000.0)

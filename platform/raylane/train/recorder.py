@@ -2,12 +2,12 @@
 0's records go into the MLflow run and each finished epoch gets one line on the console.
 
 A thread reads the journal twice a second. Placement and code identity, epoch metrics, tables
-and the step-time split figure (drawn by a Ray task, `draw_step_split`) are logged through
-one `EpochLogger`, whose outage buffer keeps training going while the tracking server is
-away; past the outage window the recorder stops the fit as Ctrl-C does (Ray Train aborts
-the run, which stays resumable from its checkpoints) and the job ends with the logger's one
-line. Where ranks run on the driver's own node, the driver samples that node's system
-metrics (ranks on other nodes sample theirs).
+and the step-time split figure (drawn by a Ray task) are logged through one `EpochLogger`,
+whose outage buffer keeps training going while the tracking server is away; past the outage
+window the recorder stops the fit as Ctrl-C does (Ray Train aborts the run, which stays
+resumable from its checkpoints) and the job ends with the logger's one line. Where ranks
+run on the driver's own node, the driver samples that node's system metrics (ranks on other
+nodes sample theirs).
 """
 
 from __future__ import annotations
@@ -30,19 +30,13 @@ from raylane.train.progress import format_epoch
 
 log = logging.getLogger("raylane")
 
-#: How long the step split figure's task may take (a process start and matplotlib's import).
+#: How long the end of a run waits for the step split figure's task (a process start and
+#: matplotlib's import on a busy node).
 DRAW_TIMEOUT_S = 120.0
-
-
-def draw_step_split(history: list[dict[str, float]]) -> bytes:
-    """The step split figure of `history` as PNG. Connected to Ray (the job's driver), a task
-    draws it: matplotlib, about 33 MB resident once imported, stays out of the driver, whose
-    memory is then its imports, MLflow's store and Ray's, whatever the corpus or the run's
-    length. Without Ray it is drawn in this process."""
-    if not ray.is_initialized():
-        return step_split_png(history)
-    draw = ray.remote(num_cpus=0, max_retries=0)(step_split_png)
-    return ray.get(draw.remote(history), timeout=DRAW_TIMEOUT_S)
+#: The figure drawn by a Ray task where this process is connected to Ray: matplotlib, about
+#: 33 MB resident once imported, stays out of the driver, whose memory is then its imports,
+#: MLflow's store and Ray's, whatever the corpus or the run's length.
+_draw_remote = ray.remote(num_cpus=0, max_retries=0)(step_split_png)
 
 
 class RunRecorder:
@@ -75,6 +69,7 @@ class RunRecorder:
         self._interval_s = interval_s
         self._history: list[dict[str, float]] = []
         self._figure_due = False
+        self._drawing: ray.ObjectRef | None = None  # the figure's task, while it runs
         self._first: tuple[int, float] | None = None  # (first epoch shown, its record time)
         self._started = time.monotonic()
         self._stop = threading.Event()
@@ -133,26 +128,54 @@ class RunRecorder:
             except Exception as exc:  # noqa: BLE001
                 log.warning("run record %s not logged: %s", record.get("kind"), exc)
         if self._figure_due and not self._stop.is_set() and outage is None:
-            self._log_figure()
+            self._draw_figure()
+        self._log_figure(wait_s=0)
         if outage is not None:
             raise outage
 
     def draw(self) -> None:
-        """After the fit: the step split figure of the last epochs."""
+        """After the fit: the step split figure of the last epochs, waited for."""
         if self._figure_due:
-            self._log_figure()
+            self._draw_figure()
+        self._log_figure(wait_s=DRAW_TIMEOUT_S)
 
     def close(self) -> None:
         """After the fit: what an outage held back, waiting for the server up to the window
         (past it, TrackingOutageError)."""
         self._logger.close()
 
-    def _log_figure(self) -> None:
+    def _draw_figure(self) -> None:
+        """Start drawing the figure of the epochs so far, in a Ray task (one still running
+        for fewer epochs is cancelled); without Ray, draw and log it here."""
         self._figure_due = False
         if not self._history:
             return
+        if not ray.is_initialized():
+            history = list(self._history)
+            self._log_drawn(lambda: step_split_png(history))
+            return
+        if self._drawing is not None:
+            ray.cancel(self._drawing)
+        self._drawing = _draw_remote.remote(list(self._history))
+
+    def _log_figure(self, wait_s: float) -> None:
+        """Log the figure once its task is done, waiting up to `wait_s` (the poll does not
+        wait; the end of the run does, and then cancels a task past it)."""
+        if self._drawing is None:
+            return
+        done, _ = ray.wait([self._drawing], timeout=wait_s)
+        if not done:
+            if wait_s:
+                ray.cancel(self._drawing, force=True)
+                self._drawing = None
+                log.warning("%s not drawn in %.0f s", STEP_SPLIT_ARTIFACT, wait_s)
+            return
+        drawing, self._drawing = self._drawing, None
+        self._log_drawn(lambda: ray.get(drawing))
+
+    def _log_drawn(self, draw: Callable[[], bytes]) -> None:
         try:
-            png = draw_step_split(self._history)
+            png = draw()
         except Exception as exc:  # noqa: BLE001 - the metrics are logged; say it and go on
             log.warning("%s not drawn: %s", STEP_SPLIT_ARTIFACT, exc)
             return
