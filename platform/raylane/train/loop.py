@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from raylane.config import RaylaneConfig
 from raylane.data.memory import MemorySplit, memory_batches
+from raylane.data.parquet import use_system_allocator
 from raylane.models.adapters import apply_lora
 from raylane.models.classifier import build_model_and_loss
 from raylane.models.losses import token_sums
@@ -250,6 +251,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     cfg = at_world_size(cfg, context.get_world_size())  # an elastic group's share of the batch
     rank = context.get_world_rank()
     torch.set_num_threads(worker_threads(cfg, context.get_local_world_size()))
+    use_system_allocator()  # Ray Data's batches: Arrow's freed pages go back to the system
     apply_matmul_precision(cfg.training.precision)
     seed_everything(cfg.training.seed)
 
