@@ -24,6 +24,10 @@ END_OF_TEXT = "<|endoftext|>"
 BYTES_END_OF_TEXT = 3
 #: End-of-text tokens looked for in a given tokenizer.json, after its tokenizer_config.json's
 #: `eos_token`.
+#: tokenizers' switch for its thread pool. A corpus is encoded on every core: raylane sets it
+#: to "true" then, unless it is set already (a user's "false" keeps one thread), so that a
+#: process forked later (Ray starting its own) neither warns nor turns the pool off.
+PARALLELISM_ENV = "TOKENIZERS_PARALLELISM"
 KNOWN_END_OF_TEXT = (END_OF_TEXT, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
 
 
@@ -49,9 +53,10 @@ class Tokenizer:
             return [list(text.encode("utf-8")) for text in texts]
         before = self.hf.encode_special_tokens
         self.hf.encode_special_tokens = not special_tokens  # True: special tokens as plain text
+        # A corpus on every core (see PARALLELISM_ENV); encoding is the same on any number.
+        os.environ.setdefault(PARALLELISM_ENV, "true")
         try:
-            with single_threaded():
-                return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
+            return [e.ids for e in self.hf.encode_batch(texts, add_special_tokens=False)]
         finally:
             self.hf.encode_special_tokens = before
 
@@ -88,15 +93,15 @@ BYTES = Tokenizer(kind="bytes", vocab_size=256, eot_id=BYTES_END_OF_TEXT, eot_to
 def single_threaded() -> Iterator[None]:
     """`tokenizers` on one thread: the same BPE whatever the machine, and no thread pool left
     behind to warn when Ray forks later."""
-    before = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    before = os.environ.get(PARALLELISM_ENV)
+    os.environ[PARALLELISM_ENV] = "false"
     try:
         yield
     finally:
         if before is None:
-            del os.environ["TOKENIZERS_PARALLELISM"]
+            del os.environ[PARALLELISM_ENV]
         else:
-            os.environ["TOKENIZERS_PARALLELISM"] = before
+            os.environ[PARALLELISM_ENV] = before
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
