@@ -22,12 +22,12 @@ from raylane.data.errors import DataError
 END_OF_TEXT = "<|endoftext|>"
 #: Byte 3, ASCII ETX ("end of text"): the end-of-text token of the bytes tokenizer.
 BYTES_END_OF_TEXT = 3
-#: End-of-text tokens looked for in a given tokenizer.json, after its tokenizer_config.json's
-#: `eos_token`.
 #: tokenizers' switch for its thread pool. A corpus is encoded on every core: raylane sets it
 #: to "true" then, unless it is set already (a user's "false" keeps one thread), so that a
 #: process forked later (Ray starting its own) neither warns nor turns the pool off.
 PARALLELISM_ENV = "TOKENIZERS_PARALLELISM"
+#: End-of-text tokens looked for in a given tokenizer.json, after its tokenizer_config.json's
+#: `eos_token`.
 KNOWN_END_OF_TEXT = (END_OF_TEXT, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>", "<|im_end|>")
 
 

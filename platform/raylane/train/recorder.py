@@ -151,8 +151,7 @@ class RunRecorder:
         if not self._history:
             return
         if not ray.is_initialized():
-            history = list(self._history)
-            self._log_drawn(lambda: step_split_png(history))
+            self._log_drawn(lambda: step_split_png(self._history))
             return
         if self._drawing is not None:
             ray.cancel(self._drawing)
