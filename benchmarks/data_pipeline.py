@@ -51,7 +51,8 @@ from pathlib import Path
 
 from raylane.config import load_config
 from raylane.data import ensure_dataset
-from raylane.data.files import find_sources, prepare_files
+from raylane.data.corpus import read_corpus
+from raylane.data.files import chat_template_for, find_sources, prepare_files
 from raylane.data.streaming import prepare_streaming
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -243,9 +244,9 @@ def tokenize_child(corpus: Path, out: Path, _object_store_mb: int = 0, repeats: 
         seconds = time.perf_counter() - start
         manifest = json.loads((out / "given" / "manifest.json").read_text())
         pipeline.append(sum(manifest["tokens"].values()) / seconds)
-    texts = [file.read_text() for file in sorted((corpus / "text").glob("*.txt"))]
-    for rows in sorted(corpus.glob("*.jsonl")):
-        texts += [json.loads(line)["text"] for line in rows.read_text().splitlines()]
+    # The same documents, read by raylane's own reader (not timed).
+    chat = chat_template_for(cfg, None)[0].pieces
+    texts = [doc.text for doc in read_corpus(find_sources(cfg).files, cfg.data, chat).documents]
     tokenizer, alone = Tokenizer.from_file(str(path)), []
     for _ in range(repeats):
         start = time.perf_counter()
