@@ -59,9 +59,9 @@ from raylane.parallel.parallelize import apply_compile  # noqa: E402
 from raylane.parallel.precision import apply_matmul_precision  # noqa: E402
 
 try:  # the cost model validates its catalog with pydantic, which a bare GPU machine may lack
+    from raylane.models.shape import DecoderShape  # noqa: E402
     from raylane.plan.cost import Layout, Workload, predict  # noqa: E402
     from raylane.plan.hardware import catalog_cluster  # noqa: E402
-    from raylane.plan.memory import GPTShape  # noqa: E402
 except ImportError as exc:
     COST_MODEL_MISSING: str | None = str(exc)
 else:
@@ -246,9 +246,9 @@ def cost_model_section(model: GPT, measured: dict, batch: int, context: int) -> 
     if key is None:
         return {"skipped": f"no catalog entry for {name}"}
     d_model = model.tok_emb.embedding_dim
-    shape = GPTShape(256, context, d_model, len(model.blocks))
     heads = d_model // model.blocks["0"].attn.head_dim
-    work = Workload(shape, heads, global_batch=batch, precision="bf16")
+    shape = DecoderShape.gpt(256, context, d_model, len(model.blocks), heads)
+    work = Workload(shape, global_batch=batch, precision="bf16")
     predicted = predict(work, Layout.of("ddp", dp=1), catalog_cluster(CATALOG_KEYS[key]))
     predicted_mb = predicted.memory_bytes / 2**20
     return {

@@ -9,10 +9,10 @@ import torch
 
 from raylane.config import load_config
 from raylane.models.losses import cross_entropy
+from raylane.models.shape import DecoderShape
 from raylane.plan.cost import Layout, Workload, predict
 from raylane.plan.hardware import Cluster, ClusterSpec, load_cluster
 from raylane.plan.measured import predict_config
-from raylane.plan.memory import GPTShape
 from raylane.plan.search import config_overrides, plan
 from raylane.profile.worker import _parts, _saved_bytes_per_row
 from raylane.tune.candidates import enumerate_candidates
@@ -37,7 +37,7 @@ def test_a_cp_worker_computes_and_holds_its_share_and_pays_the_ring_it_cannot_hi
     # fp32 on two single-device nodes: the ring crosses nodes (25 GB/s), and at 512 tokens a
     # K/V transfer outlasts the attention step it overlaps.
     s, h, rows, layers = 512, 1024, 8, 4
-    work = Workload(GPTShape(256, s, h, layers), 8, rows)
+    work = Workload(DecoderShape.gpt(256, s, h, layers, 8), rows)
     split = predict(work, Layout.of("ddp", dp=1, cp=2), _a100s(2, 1))
     whole = predict(work, Layout.of("ddp", dp=1), _a100s(1, 1))
     assert split.layout.describe() == "ddp dp1 cp2"
@@ -65,9 +65,9 @@ def test_a_sequence_no_device_holds_is_planned_with_context_parallelism(tmp_path
     plans are the README's, to its printed digits: unfused, all 20 layouts without cp pruned and
     `ddp dp1 cp32` at 4.22 s per step and 53.3 GB per device, 2.13 s of it ring transfers;
     fused, 16 pruned and `fsdp dp4 tp8-sp` first, cp32 fifth."""
-    shape = GPTShape(50257, 262144, 1024, 4)
+    shape = DecoderShape.gpt(50257, 262144, 1024, 4, 8)
     assert shape.context_length * shape.vocab_size * 8 > 80e9
-    work = Workload(shape, 8, 4, "bf16", fused_attention=False)
+    work = Workload(shape, 4, "bf16", fused_attention=False)
     result = plan(work, load_cluster(A100_4X8))
     unsplit = [layout for layout, _ in result.pruned if layout.cp == 1]
     assert len(unsplit) == 20 and all(p.layout.cp > 1 for p in result.ranked)
@@ -78,7 +78,7 @@ def test_a_sequence_no_device_holds_is_planned_with_context_parallelism(tmp_path
     assert f"{best.parts['cp_comm']:.2f}" == "2.13"
     # With the fused attention raylane runs (the default workload), sequence parallelism's
     # vocabulary-split head fits 4 tp8 layouts; cp32 ranks fifth at the same figures.
-    fused = plan(Workload(shape, 8, 4, "bf16"), load_cluster(A100_4X8))
+    fused = plan(Workload(shape, 4, "bf16"), load_cluster(A100_4X8))
     assert len([layout for layout, _ in fused.pruned if layout.cp == 1]) == 16
     lines = [f"{p.layout.describe()} {p.step_s:.2f} s, {p.memory_bytes / 1e9:.1f} GB"
              for p in fused.ranked[:5]]  # fmt: skip
@@ -94,7 +94,7 @@ def test_fused_attention_fits_the_same_sequence_without_context_parallelism():
     """raylane's SDPA keeps a log-sum-exp, never the scores: at tp 8 with sequence
     parallelism (the head split over the vocabulary) a row's 262,144 tokens fit one replica
     of 8 A100s, and such a layout is planned first."""
-    work = Workload(GPTShape(50257, 262144, 1024, 4), 8, 4, "bf16")
+    work = Workload(DecoderShape.gpt(50257, 262144, 1024, 4, 8), 4, "bf16")
     result = plan(work, load_cluster(A100_4X8))
     best = result.ranked[0]
     assert best.layout.cp == 1 and best.layout.tp == 8 and best.layout.dims.sequence_parallel

@@ -11,15 +11,20 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 from raylane.config.layout import stage_boundaries
 from raylane.models.gpt import GPT
 from raylane.models.gpt_plan import block_plan
+from raylane.models.shape import DecoderShape
 from raylane.parallel.meters import model_state_bytes
 from raylane.parallel.pipeline import build_stage_module
-from raylane.plan.memory import FP32_ADAM, GPTShape, sharded_state
+from raylane.plan.memory import FP32_ADAM, sharded_state
 
 GB = 1e9
-SHAPES = [GPTShape(256, 64, 64, 4), GPTShape(256, 64, 128, 4), GPTShape(1000, 32, 96, 6)]
+SHAPES = [
+    DecoderShape.gpt(256, 64, 64, 4),
+    DecoderShape.gpt(256, 64, 128, 4),
+    DecoderShape.gpt(1000, 32, 96, 6),
+]
 
 
-def _gpt(shape: GPTShape) -> GPT:
+def _gpt(shape: DecoderShape) -> GPT:
     return GPT(shape.vocab_size, shape.context_length, shape.d_model, 4, shape.n_layers)
 
 

@@ -8,9 +8,9 @@ import math
 import pytest
 
 from raylane.config import load_config
+from raylane.models.shape import DecoderShape
 from raylane.plan.cost import Workload
 from raylane.plan.hardware import Accelerator, Cluster, ClusterSpec, Pricing, load_cluster
-from raylane.plan.memory import GPTShape
 from raylane.plan.pricing import (
     CostTerms,
     checkpoint_seconds,
@@ -100,7 +100,7 @@ def _two_node_cluster(inter_node_gbps: float, pricing: Pricing | None = PRICES) 
 def test_the_cheapest_layout_can_be_slower_on_fewer_devices():
     """Between nodes the link is slow: two nodes step faster than one, but not twice as fast,
     so one node costs less per epoch."""
-    work = Workload(GPTShape(256, 1024, 1024, 8), 8, 64, "bf16")
+    work = Workload(DecoderShape.gpt(256, 1024, 1024, 8, 8), 64, "bf16")
     cluster = _two_node_cluster(inter_node_gbps=10)
     fastest = plan(work, cluster).ranked[0]
     by_cost = plan_by_cost(work, cluster, CostTerms(1e9, 10.0))
@@ -113,7 +113,7 @@ def test_the_cheapest_layout_can_be_slower_on_fewer_devices():
 
 
 def test_a_catalog_without_prices_cannot_plan_by_cost():
-    work = Workload(GPTShape(256, 1024, 1024, 8), 8, 64, "bf16")
+    work = Workload(DecoderShape.gpt(256, 1024, 1024, 8, 8), 64, "bf16")
     with pytest.raises(ValueError, match="x has no pricing in the hardware catalog"):
         plan_by_cost(work, _two_node_cluster(10, pricing=None), CostTerms(1e9, 10.0))
 

@@ -1,9 +1,11 @@
-"""Step time and per-device memory of a GPT training layout, predicted from its shape and the
-cluster's figures.
+"""Step time and per-device memory of a decoder's training layout (any family's: its
+`raylane.models.shape.DecoderShape`), predicted from its shape and the cluster's figures.
 
 Compute is the model's FLOPs (Narayanan et al., "Efficient Large-Scale Language Model Training
 on GPU Clusters Using Megatron-LM", SC 2021, eq. 3: 24·B·s·l·h²·(1 + s/6h) + 2·B·s·h·V per
-forward; backward twice that; activation checkpointing recomputes the blocks' forward) shared
+forward for a GPT; the shape's own matrices and attention width for other families, grouped-
+query attention's narrower keys and values and a SwiGLU's three matrices included; backward
+twice that; activation checkpointing recomputes the blocks' forward) shared
 evenly by the devices, at `efficiency` of the accelerator's peak. On top of it, what each
 parallelism adds on the critical path: the pipeline bubble, (p - 1)/m of the compute for GPipe
 and 1F1B; tensor parallelism's all-reduces of each block's activations (two forward, two
@@ -24,8 +26,10 @@ conservative charge).
 
 Activation memory follows Korthikanti et al., "Reducing Activation Recomputation in Large
 Transformer Models" (MLSys 2023), eq. 2: s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes per layer for
-16-bit activations, 2·s·b·h with full recomputation (plus, once, the whole activations of the
-block being recomputed in backward); with sequence parallelism (their eq. 4) the norm and
+16-bit activations of a GPT (another family's block saves what its shape counts,
+`DecoderShape.activation_bytes_per_token`, split and whole as these two terms), 2·s·b·h with
+full recomputation (plus, once, the whole activations of the block being recomputed in
+backward); with sequence parallelism (their eq. 4) the norm and
 residual regions' 10·s·b·h are divided by t too, for the same tensor-parallel bytes (a reduce-
 scatter and an all-gather in place of each all-reduce), so sequence parallelism's extra time is
 the backward's second all-gather of the column-wise matmuls' inputs (raylane's waits for it;
@@ -49,8 +53,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from raylane.config.dims import ParallelDims
+from raylane.models.shape import DecoderShape
 from raylane.plan.hardware import Cluster, Precision
-from raylane.plan.memory import FP32_ADAM, MIXED_PRECISION_ADAM, GPTShape, ModelState, sharded_state
+from raylane.plan.memory import FP32_ADAM, MIXED_PRECISION_ADAM, ModelState, sharded_state
 from raylane.plan.ring import RING_VALUE_BYTES, exposed_ring_s, kv_block_bytes, ring_passes
 
 #: Fraction of the accelerator's peak FLOP/s that the model's matrix multiplications reach.
@@ -128,8 +133,7 @@ class Layout:
 
 @dataclass(frozen=True)
 class Workload:
-    shape: GPTShape
-    n_heads: int
+    shape: DecoderShape
     global_batch: int  # sequences per optimizer step, all replicas together
     precision: Precision = "fp32"
     #: The output layer split over tp (Megatron's vocab-parallel head) in every layout; raylane
@@ -145,17 +149,19 @@ class Workload:
         return self.shape.context_length
 
     @property
+    def n_heads(self) -> int:
+        return self.shape.n_heads
+
+    @property
     def value_bytes(self) -> int:
         """Bytes of an activation or a communicated value."""
         return 2 if self.precision == "bf16" else 4
 
     def model_flops(self, recompute: bool) -> float:
         """FLOPs of one optimizer step (forward, backward, and the recomputed forward)."""
-        s, h, v = self.seq, self.shape.d_model, self.shape.vocab_size
-        layers = self.shape.n_layers
-        blocks = 24 * self.global_batch * s * layers * h * h * (1 + s / (6 * h))
-        head = 2 * self.global_batch * s * h * v
-        return (4 if recompute else 3) * blocks + 3 * head
+        blocks, head = self.shape.forward_flops_per_token(self.seq)
+        tokens = self.global_batch * self.seq
+        return tokens * ((4 if recompute else 3) * blocks + 3 * head)
 
 
 @dataclass
@@ -223,7 +229,7 @@ def _compute_s(work: Workload, layout: Layout, cluster: Cluster, efficiency: flo
     splits it."""
     shape, device = work.shape, cluster.device
     flops = work.model_flops(layout.activation_checkpointing)
-    head = 3 * 2 * work.global_batch * work.seq * shape.d_model * shape.vocab_size
+    head = 3 * work.global_batch * work.seq * shape.forward_flops_per_token()[1]
     split = work.head_split_by_tp or (layout.dims.sequence_parallel and layout.pp == 1)
     per_device = (flops - head) / layout.workers + head / (
         layout.workers if split else layout.dp * layout.pp * layout.cp
@@ -302,16 +308,17 @@ def _ring_comm_s(
     cp = layout.cp
     if cp == 1:
         return 0.0
-    spec, device, h, s = cluster.spec, cluster.device, work.shape.d_model, work.seq
+    spec, device, s = cluster.spec, cluster.device, work.seq
     link = (
         device.intra_node_gbps
         if cp * layout.tp <= spec.devices_per_node
         else (device.inter_node_gbps)
     )
-    block = kv_block_bytes(micro_rows, s / cp, h / layout.tp)
+    block = kv_block_bytes(micro_rows, s / cp, work.shape.kv_width / layout.tp)
     transfer = block / (link * 1e9) + spec.link_latency_us * 1e-6
-    # Megatron's attention core, 4·b·s²·h per layer forward: 1/(cp·tp) per worker, in cp steps.
-    step_flops = 4 * micro_rows * s * s * h / (cp * cp * layout.tp)
+    # Megatron's attention core, 4·b·s²·h per layer forward (h: the query heads' width):
+    # 1/(cp·tp) per worker, in cp steps.
+    step_flops = 4 * micro_rows * s * s * work.shape.q_width / (cp * cp * layout.tp)
     step_compute = step_flops / (device.peak_flops[work.precision] * efficiency)
     passes = ring_passes(layout.activation_checkpointing)
     per_layer = exposed_ring_s(cp, passes, transfer, step_compute)
@@ -325,12 +332,14 @@ def _activation_bytes(work: Workload, layout: Layout, micro_rows: float) -> floa
     s, h, a, t = work.seq / layout.cp, work.shape.d_model, work.n_heads, layout.tp
     scale = work.value_bytes / 2  # the formula counts 16-bit activations
     ring_saved, ring_working = _ring_attention_bytes(work, layout, micro_rows)
-    regions = 10 / t if layout.dims.sequence_parallel else 10  # norms, residuals
+    split, regions = work.shape.activation_bytes_per_token()  # per token, 16-bit
+    if layout.dims.sequence_parallel:  # norms, residuals
+        regions /= t
     unfused = layout.cp == 1 and not work.fused_attention  # ring attention saves no scores
-    scores = 5 * a * s / (h * t) if unfused else 0.0
+    scores = 5 * a * s / t if unfused else 0.0
     # A fused kernel's fp32 log-sum-exp per head and token (ring attention's: `ring_saved`).
     lse = LSE_BYTES * micro_rows * s * a / t if layout.cp == 1 and not unfused else 0.0
-    whole = s * micro_rows * h * (regions + 24 / t + scores) * scale + ring_saved + lse
+    whole = s * micro_rows * (regions + split / t + scores) * scale + ring_saved + lse
     per_layer, recomputed = whole, 0.0
     if layout.activation_checkpointing:
         per_layer, recomputed = 2 * s * micro_rows * h * scale, whole

@@ -7,7 +7,8 @@ fp16 weight, 2 of fp16 gradient and K = 12 of optimizer state (fp32 master weigh
 variance). ZeRO stage 1 shards the optimizer state over the Nd data-parallel devices, stage 2
 also the gradients, stage 3 (FSDP) also the parameters. Tensor parallelism divides a block's
 split weights by tp and keeps the rest (embeddings, norms, the row-wise layers' biases) whole;
-pipeline parallelism gives each device one stage's blocks.
+pipeline parallelism gives each device one stage's blocks (the parameter counts are the
+family's shape: `raylane.models.shape.DecoderShape`).
 """
 
 from __future__ import annotations
@@ -55,46 +56,3 @@ def sharded_state(
         grad=per_param.grad * params / (dp if zero_stage >= 2 else 1),
         optimizer=per_param.optimizer * params / (dp if zero_stage >= 1 else 1),
     )
-
-
-@dataclass(frozen=True)
-class GPTShape:
-    vocab_size: int
-    context_length: int
-    d_model: int
-    n_layers: int
-
-    def block_split(self) -> int:
-        """Parameters of one block that tensor parallelism splits: q, k, v and the MLP's first
-        linear column-wise (weights and biases), the output and second MLP weights row-wise."""
-        d = self.d_model
-        return 3 * (d * d + d) + d * d + (4 * d * d + 4 * d) + 4 * d * d
-
-    def block_whole(self) -> int:
-        """Parameters of one block every tensor-parallel device keeps whole: two layer norms
-        and the row-wise layers' biases."""
-        return 2 * (2 * self.d_model) + 2 * self.d_model
-
-    def embeddings(self) -> int:
-        return (self.vocab_size + self.context_length) * self.d_model
-
-    def head(self) -> int:
-        """Final norm and output layer."""
-        return 2 * self.d_model + self.d_model * self.vocab_size + self.vocab_size
-
-    def total(self) -> int:
-        blocks = self.n_layers * (self.block_split() + self.block_whole())
-        return self.embeddings() + blocks + self.head()
-
-    def params_per_device(self, tp: int = 1, pp: int = 1, stage: int = 0) -> float:
-        """Parameters on a device of pipeline stage `stage` (blocks split evenly, embeddings
-        on the first stage, norm and head on the last), its blocks split over `tp`."""
-        if self.n_layers % pp:
-            raise ValueError(f"n_layers ({self.n_layers}) is not divisible by pp ({pp})")
-        blocks = self.n_layers // pp
-        count = blocks * (self.block_split() / tp + self.block_whole())
-        if stage == 0:
-            count += self.embeddings()
-        if stage == pp - 1:
-            count += self.head()
-        return count

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field, replace
 
 from raylane.config import RaylaneConfig
 from raylane.config.dims import ParallelDims
+from raylane.models.families import shape_of
 from raylane.plan.cost import DEFAULT_EFFICIENCY, Layout, Prediction, Workload, predict
 from raylane.plan.hardware import Cluster, Precision
-from raylane.plan.memory import GPTShape
 from raylane.plan.pricing import CostTerms, LayoutCost, price_layout
 
 MICROBATCH_FACTORS = (1, 2, 4, 8)  # micro-batches per pipeline stage
@@ -26,11 +26,9 @@ class Plan:
 
 
 def workload_for(cfg: RaylaneConfig, global_batch: int, precision: Precision) -> Workload:
-    model = cfg.model
-    if model.kind != "gpt":
-        raise ValueError(f"model.kind must be 'gpt' to plan its layouts, not '{model.kind}'")
-    shape = GPTShape(model.num_classes, model.input_dim, model.d_model, model.n_layers)
-    return Workload(shape, model.n_heads, global_batch, precision)
+    """What a step of the config's model trains: its family's shape (`model.kind`), the
+    global batch and the precision. Raises ValueError for a family with no shape to plan."""
+    return Workload(shape_of(cfg.model), global_batch, precision)
 
 
 STDLIB_SOURCES = ("python-stdlib", "python-stdlib-tests")
@@ -58,10 +56,11 @@ def _divisors(n: int) -> list[int]:
 
 
 def _dims_for(work: Workload, devices: int, devices_per_node: int) -> list[ParallelDims]:
-    """Every `ParallelDims` candidate (tp within a node, pp dividing the blocks, cp where the
-    sequence cuts into 2 * cp chunks), and each tensor-parallel one also with sequence
-    parallelism where every cp worker's tokens split over tp."""
-    tps = [t for t in _divisors(devices_per_node) if work.n_heads % t == 0]
+    """Every `ParallelDims` candidate (tp within a node dividing the heads, key/value heads and
+    MLP width, pp dividing the blocks, cp where the sequence cuts into 2 * cp chunks), and each
+    tensor-parallel one also with sequence parallelism where every cp worker's tokens split
+    over tp."""
+    tps = [t for t in _divisors(devices_per_node) if work.shape.splits_over(t)]
     pps = [p for p in _divisors(work.shape.n_layers) if p <= devices]
     cps = [c for c in _divisors(devices) if work.seq % (2 * c) == 0]
     found = []
