@@ -145,11 +145,12 @@ class Attention(nn.Module):
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Queries, keys and values `[B, heads, T, head_dim]` of `x`, q and k rotated."""
-        batch, length, _ = x.shape
-        shape = (batch, length, -1, self.head_dim)
-        q = self.q_proj(x).view(shape).transpose(1, 2)
-        k = self.k_proj(x).view(shape).transpose(1, 2)
-        v = self.v_proj(x).view(shape).transpose(1, 2)
+        hd = self.head_dim
+
+        def heads(t: torch.Tensor) -> torch.Tensor:  # explicit: an empty batch has no -1
+            return t.unflatten(-1, (t.shape[-1] // hd, hd)).transpose(1, 2)
+
+        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

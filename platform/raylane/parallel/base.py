@@ -36,6 +36,9 @@ class ParallelStrategy(Protocol):
     data_world: int
     #: This worker's losses and outputs are the model's (the last pipeline stage; all DDP ranks).
     reports_loss: bool
+    #: Evaluation may hand this worker a shorter last batch, even an empty slice (False: a
+    #: pipeline's stages run the shapes they inferred, so its last partial batch is dropped).
+    evaluates_ragged: bool
     #: Reporting workers that share each row (its sequence's cp workers), each counting 1/n.
     row_reporters: int
     #: The part number of this worker's assembled model in a checkpoint (its pipeline stage).
@@ -112,6 +115,7 @@ class StrategyDefaults:
     """
 
     writes_part = False
+    evaluates_ragged = True
     activations: ActivationMeter | None = None
     run_tables: dict[str, dict] = {}  # noqa: RUF012 - a strategy that has tables sets its own
     device: torch.device = CPU

@@ -56,6 +56,7 @@ class PipelineParallel(StrategyDefaults):
     `dp` shards of each stage (strategy 'fsdp')."""
 
     splits_dataset = False
+    evaluates_ragged = False
 
     def __init__(self, cfg: RaylaneConfig, rank: int):
         par = cfg.parallelism

@@ -75,10 +75,13 @@ def _my_batches(strategy, shard, cfg: RaylaneConfig, shuffle_seed: int | None, w
     Ray Data shards are disjoint already and each shuffles with its rank in the seed."""
     rows = cfg.training.batch_size
     first = strategy.data_rank * rows
-    # Every replica takes a full slice (and pipeline stages infer their buffers' shapes once):
-    # the last, partial global batch is dropped.
-    # (`whole`: an elastic run's evaluation keeps it, each worker its slice, maybe empty.)
-    drop_last = not strategy.splits_dataset and not (whole and cfg.parallelism.elastic)
+    # Training: every replica takes a full slice of each global batch (pipeline stages infer
+    # their buffers' shapes once), and the last, partial one is dropped. `whole` (evaluation)
+    # keeps it, each worker its slice, maybe short or empty, so every row counts once as with
+    # one worker; only a pipeline's evaluation drops it (outside an elastic run), which the
+    # preflight refuses where that leaves no batch (`raylane.train.preflight`).
+    ragged = strategy.evaluates_ragged or cfg.parallelism.elastic
+    drop_last = not strategy.splits_dataset and not (whole and ragged)
     if isinstance(shard, MemorySplit):
         splits = strategy.splits_dataset
         part, parts = (dist.get_rank(), dist.get_world_size()) if splits else (0, 1)
@@ -196,7 +199,12 @@ def _evaluate(strategy, model, shard, cfg):
         loss_sum, correct = loss_sum + batch_loss, correct + batch_correct
         count = count + batch_count
     loss_sum, correct, count = all_reduce_scalars([loss_sum, correct, count])
-    return loss_sum / max(count, 1), correct / max(count, 1)
+    if count == 0:  # a mean of nothing is no figure: never log it as 0 (it would win champion)
+        raise ValueError(
+            "validation: no target was evaluated (the validation split is empty, or every "
+            "label is -100); raise data.validation_fraction"
+        )
+    return loss_sum / count, correct / count
 
 
 def check_same_code(placement: list[dict], driver: dict | None = None) -> None:

@@ -38,7 +38,31 @@ def preflight(cfg: RaylaneConfig) -> str:
     tracking_uri = check_run_inputs(cfg)
     train_info, val_info = ensure_dataset(cfg)
     log.info("data: %d training rows, %d validation rows", train_info.rows, val_info.rows)
+    check_whole_batches(cfg, train_info.rows, val_info.rows)
     return tracking_uri
+
+
+def check_whole_batches(cfg: RaylaneConfig, train_rows: int, val_rows: int) -> None:
+    """A layout that splits the model (FSDP, tensor, pipeline or context parallel) trains on
+    whole global batches of batch_size rows per replica, and a pipeline evaluates on them too:
+    a split with fewer rows would give no step (or no validation figure) at all. Refused in
+    one line, before Ray starts."""
+    dims = cfg.parallelism.dims
+    if not (dims.fsdp_enabled or dims.tp_enabled or dims.pp_enabled or dims.cp_enabled):
+        return
+    rows, replicas = cfg.training.batch_size, dims.dp
+    batch = rows * replicas
+    splits = [("training", cfg.data.train_path, train_rows)]
+    if dims.pp_enabled and not cfg.parallelism.elastic:
+        splits.append(("validation", cfg.data.validation_path, val_rows))
+    for name, path, count in splits:
+        if count < batch:
+            raise DataError(
+                f"{path}: {count} {name} rows, fewer than one global batch of {batch} "
+                f"(training.batch_size {rows} x {replicas} data-parallel replicas), which a "
+                f"{dims.preset_name} layout {'trains' if name == 'training' else 'evaluates'} "
+                "on whole: lower training.batch_size"
+            )
 
 
 def check_resumable(directory: Path) -> None:
