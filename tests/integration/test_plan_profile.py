@@ -8,6 +8,7 @@ from dataclasses import asdict
 import pytest
 from mlflow.tracking import MlflowClient
 
+from raylane.models.families import shape_of
 from raylane.plan.fits import block_train_flops, compute_fit
 from raylane.profile.job import load_or_measure, measured_cluster, profile_key
 from raylane.profile.worker import ROWS
@@ -42,9 +43,9 @@ def test_profile_measures_once_then_is_reused(lm_profile, workspace):
     assert found["levels"]["1"]["ps_push_s"] > 0 and pair["ps_push_s"] > 0
     # The headline figure: a block's training FLOPs at the most rows, over the fit's seconds
     # there, at the largest concurrency (both workers at once).
-    width, seq = cfg.model.d_model, cfg.model.input_dim
+    width = cfg.model.d_model
     pair_s = pair["block"]["fixed_s"] + max(ROWS) * pair["block"]["per_row_s"]
-    flops = block_train_flops(max(ROWS), seq, width)
+    flops = block_train_flops(max(ROWS), shape_of(cfg.model))
     assert found["block_flops_per_s"] == pytest.approx(flops / pair_s, rel=1e-12)
     assert found["block_params"] == 12 * width * width + 13 * width  # 4 linears, 2 norms
     # A block saves more per row than the ends (logits) do; both are positive.

@@ -163,7 +163,7 @@ def test_planner_keeps_the_top_k_predicted_and_prunes_what_would_not_fit():
                for c in ranked.launch)  # fmt: skip
 
 
-def test_prediction_needs_a_gpt_base():
+def test_prediction_needs_a_language_model_base():
     spec = TuneSpec.model_validate(
         {
             "experiment": "t",
@@ -173,7 +173,11 @@ def test_prediction_needs_a_gpt_base():
     )
     from raylane.tune.predicted import rank_candidates
 
-    with pytest.raises(ConfigError, match="predict.enabled needs a GPT base model"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^predict.enabled: model.kind 'mlp' is a classifier: "
+        r"`raylane plan` plans language models .* set predict.enabled=false",
+    ):
         rank_candidates(spec, enumerate_candidates(spec)[0])
 
 

@@ -28,4 +28,4 @@ def test_a_layout_names_the_block_it_is_predicted_from():
 
 
 def test_a_model_whose_heads_do_not_split_in_two_is_not_timed_tensor_parallel():
-    assert set(wrap_dims(4, 4, n_heads=3)) == {"fsdp4", "fsdp2"}
+    assert set(wrap_dims(4, 4, splits=False)) == {"fsdp4", "fsdp2"}

@@ -22,6 +22,7 @@ from raylane.cli.common import (
 )
 from raylane.cli.lazy import deferred
 from raylane.cli.running import on_ray, user_mistakes
+from raylane.models.families import shape_of
 from raylane.plan.hardware import HardwareError, load_cluster
 from raylane.plan.pricing import DEFAULT_RESTART_S, CostTerms, checkpoint_seconds
 from raylane.plan.report import render, render_costs, render_profile, write_config
@@ -232,8 +233,10 @@ def profile_cluster(
     """
     setup_logging(verbose)
     cfg, levels, tracking_uri = _what_to_profile(config, overrides)
-    if cfg.model.kind != "gpt":
-        raise fail(f"model.kind must be 'gpt' to profile its blocks, not '{cfg.model.kind}'")
+    try:
+        shape_of(cfg.model)  # a family whose blocks the profile can time
+    except ValueError as error:
+        raise fail(str(error)) from None
     tracking_uri = resolve_tracking_uri(tracking_uri)
     with user_mistakes():
         check_tracking_reachable(tracking_uri)

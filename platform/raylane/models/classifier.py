@@ -4,6 +4,7 @@ and `build_model`: the configured architecture, whichever kind."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -11,7 +12,7 @@ from torch import nn
 from raylane.config import ModelConfig
 from raylane.models.custom import LossFn, build_custom
 from raylane.models.gpt import GPT
-from raylane.models.hf_checkpoint import load_pretrained
+from raylane.models.hf_checkpoint import load_pretrained, read_config
 from raylane.models.llama import LlamaForCausalLM, llama_config
 from raylane.models.losses import cross_entropy
 
@@ -74,6 +75,15 @@ def build_model_and_loss(cfg: ModelConfig) -> tuple[nn.Module, LossFn]:
         model, loss_fn = build_custom(cfg)
         return model, loss_fn or cross_entropy
     return _built_in(cfg), cross_entropy
+
+
+def build_with_blocks(cfg: ModelConfig, n_layers: int) -> nn.Module:
+    """The configured language model with `n_layers` blocks and fresh weights (a `pretrained`
+    checkpoint's widths, not its weights): what the profile times a family's blocks and ends
+    on (`raylane.profile`)."""
+    if cfg.pretrained is not None:
+        return LlamaForCausalLM(replace(read_config(cfg.pretrained), n_layers=n_layers))
+    return _built_in(cfg.model_copy(update={"n_layers": n_layers}))
 
 
 def _built_in(cfg: ModelConfig) -> nn.Module:

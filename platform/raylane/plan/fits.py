@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from raylane.models.shape import DecoderShape
+
 
 @dataclass(frozen=True)
 class LinkFit:
@@ -26,9 +28,11 @@ class ComputeFit:
     per_row_s: float
 
 
-def block_train_flops(rows: int, seq: int, width: int) -> float:
-    """Forward and backward FLOPs of one transformer block (Megatron's formula)."""
-    return 3 * 24 * rows * seq * width * width * (1 + seq / (6 * width))
+def block_train_flops(rows: int, shape: DecoderShape) -> float:
+    """Forward and backward FLOPs of one of `shape`'s blocks on `rows` whole sequences (for a
+    GPT, Megatron's 3 x 24·b·s·h²·(1 + s/6h))."""
+    blocks, _ = shape.forward_flops_per_token()
+    return 3 * rows * shape.context_length * blocks / shape.n_layers
 
 
 def fit_line(sizes: list[float], seconds: list[float]) -> tuple[float, float]:

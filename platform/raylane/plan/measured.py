@@ -58,6 +58,7 @@ from dataclasses import dataclass
 
 from raylane.config import RaylaneConfig
 from raylane.config.dims import ParallelDims
+from raylane.models.families import shape_of
 from raylane.plan.ring import attention_core_share, exposed_ring_s, kv_block_bytes, ring_passes
 from raylane.plan.wrapped import wrap_name
 
@@ -141,17 +142,17 @@ def _compression_ratio(cfg: RaylaneConfig) -> float:
     if kind == "topk":
         return 2 * par.topk_ratio  # a value and an index per kept element
     if kind == "powersgd":
-        width = cfg.model.d_model
+        width = shape_of(cfg.model).d_model
         return min(1.0, 2 / width)  # rank 1: P (n x 1) and Q (m x 1) instead of n x m
     return 1.0
 
 
 def predict_config(profile: dict, cfg: RaylaneConfig) -> LocalPrediction:
     """Predicted step time, samples/s and peak worker memory of `cfg` on the profiled cluster."""
-    if cfg.model.kind != "gpt":
-        raise ProfileMismatch(
-            f"the cost model predicts GPT layouts, not model.kind '{cfg.model.kind}'"
-        )
+    try:
+        shape_of(cfg.model)
+    except ValueError as error:
+        raise ProfileMismatch(str(error)) from None
     shape = _Shape.of(profile, cfg)
     parts = _compute_parts(profile, cfg, shape)
     parts["comm"] += _sync_comm(profile, cfg, shape)
@@ -192,7 +193,7 @@ class _Shape:
 
     @classmethod
     def of(cls, profile: dict, cfg: RaylaneConfig) -> _Shape:
-        model, par = cfg.model, cfg.parallelism
+        model, par = shape_of(cfg.model), cfg.parallelism
         dims = par.dims
         pp, tp, dp = dims.pp, dims.tp, dims.dp
         micro = par.microbatches if dims.pp_enabled else 1
@@ -203,7 +204,7 @@ class _Shape:
         if dims.fsdp_enabled:  # the stage's (or whole model's) share, over its shards
             params_held /= dims.dp_shard
             block_held /= dims.dp_shard
-        tokens = model.input_dim / dims.cp
+        tokens = model.context_length / dims.cp
         level = _level(profile, par.workers)
         return cls(
             level=level, pp=pp, tp=tp, dp=dp, cp=dims.cp,
@@ -258,7 +259,7 @@ def _compute_parts(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> dict[str
             shape.stage_layers * per_block * _link(level.get("all_reduce"), shape.activation_bytes)
         )
     if not shape.pipelined:
-        blocks = cfg.model.n_layers * block_s(rows)
+        blocks = shape_of(cfg.model).n_layers * block_s(rows)
         compute = blocks + _fit(level["ends"], rows / shape.cp) + optimizer + tp_comm
         return {"compute": compute, "bubble": 0.0, "comm": 0.0}
     pp, micro = shape.pp, shape.micro
@@ -308,7 +309,7 @@ def _optimizer_s(level: dict, shape: _Shape) -> float:
 def _sync_comm(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
     """The exposed time of synchronising replicas, as the strategy does it."""
     par, level, dp = cfg.parallelism, shape.level, shape.dp
-    layers = cfg.model.n_layers
+    layers = shape_of(cfg.model).n_layers
     block_params, ends_params = profile["block_params"], profile["ends_params"]
     grad_bytes = _FP32 * ((layers / shape.pp) * block_params / shape.tp + ends_params)
     # A sequence's cp workers average their gradients with the replicas'.
@@ -345,11 +346,11 @@ def _ring_s(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
     attention compute (the core's share of the block's forward, 1/cp of it per step)."""
     if shape.cp == 1:
         return 0.0
-    model = cfg.model
-    block_bytes = kv_block_bytes(shape.rows, shape.tokens, model.d_model / shape.tp)
+    model = shape_of(cfg.model)
+    block_bytes = kv_block_bytes(shape.rows, shape.tokens, model.kv_width / shape.tp)
     transfer = _link(profile.get("p2p"), block_bytes)
     block = _fit(shape.level["block"], shape.rows / (shape.tp * shape.cp))  # forward + backward
-    step_compute = attention_core_share(model.input_dim, model.d_model) * block / 3 / shape.cp
+    step_compute = attention_core_share(model.context_length, model.q_width) * block / 3 / shape.cp
     passes = ring_passes(cfg.training.activation_checkpointing)
     return model.n_layers * exposed_ring_s(shape.cp, passes, transfer, step_compute)
 
@@ -391,6 +392,6 @@ def _activation_bytes(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float
     if shape.sequence_parallel:  # on 1/tp of the tokens: the two LayerNorms' fp32 inputs
         # and the inputs q, k, v and the MLP's first linear keep (bf16 under autocast)
         linear_input = 2 if bf16 else _FP32
-        per_token = cfg.model.d_model * (2 * _FP32 + 4 * linear_input)
+        per_token = shape_of(cfg.model).d_model * (2 * _FP32 + 4 * linear_input)
         per_layer -= shape.tokens * per_token * (1 - 1 / shape.tp)
     return (per_layer * shape.stage_layers * shape.rows + ends_activations) * in_flight

@@ -12,18 +12,19 @@ from raylane.config.dims import ParallelDims
 TP = 2
 
 
-def wrap_dims(world: int, k: int, n_heads: int = TP) -> dict[str, ParallelDims]:
+def wrap_dims(world: int, k: int, splits: bool = True) -> dict[str, ParallelDims]:
     """The layouts whose blocks a level of `k` of `world` workers times, by name (`wrap_name`):
     FSDP over all `k` and over `k / 2` (a pipeline's stages of `k / 2` shards), tensor parallel
     over 2, and FSDP over `k / 2` pairs of those. Their groups cover the first `k` ranks; the
     rest of the world sits in replicas of the same shape (every rank takes part in building a
-    mesh; only the first `k` time). Tensor parallel only where the model's heads split over 2."""
+    mesh; only the first `k` time). Tensor parallel only where the model `splits` over 2
+    (`DecoderShape.splits_over`: its heads, key/value heads and MLP width)."""
     if k < 2 or world % k:
         return {}
     shape: list[ParallelDims] = [ParallelDims(dp_shard=k)]
     if k % 2 == 0 and k > 2:  # a pipeline's 2 stages, each sharded over k / 2
         shape.append(ParallelDims(dp_shard=k // 2))
-    if k % TP == 0 and n_heads % TP == 0:
+    if k % TP == 0 and splits:
         shape.append(ParallelDims(tp=TP))
         if k > TP:
             shape.append(ParallelDims(dp_shard=k // TP, tp=TP))

@@ -7,10 +7,12 @@ import hashlib
 import json
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from raylane.config import RaylaneConfig
+from raylane.models.families import shape_of
 from raylane.plan.hardware import Accelerator, Cluster, ClusterSpec
 from raylane.tracking.cluster import describe_nodes, package_versions
 from raylane.train.trainer import prompt_health_checks
@@ -30,20 +32,14 @@ def concurrency_levels(cfg: RaylaneConfig, levels: list[int] | None) -> list[int
 
 def profile_key(cfg: RaylaneConfig, levels: list[int]) -> str:
     """What the figures depend on: the model's shape, the worker groups and the nodes."""
-    model, par = cfg.model, cfg.parallelism
+    par = cfg.parallelism
     versions = package_versions()
     basis = {
         # What the profile measures: a profile of an older schema is measured again (2: the
-        # sharded layouts' wrapped blocks and the parameter server's round trip).
-        "schema": 2,
-        "model": [
-            model.kind,
-            model.input_dim,
-            model.num_classes,
-            model.d_model,
-            model.n_heads,
-            model.n_layers,
-        ],
+        # sharded layouts' wrapped blocks and the parameter server's round trip; 3: any
+        # family's block, keyed by its whole shape).
+        "schema": 3,
+        "model": [cfg.model.kind, asdict(shape_of(cfg.model))],
         "optimizer": cfg.training.optimizer,
         "levels": levels,
         "resources_per_worker": par.resources_per_worker,
@@ -111,14 +107,16 @@ def load_or_measure(
                 path = client.download_artifacts(run_id, ARTIFACT, directory)
                 return json.loads(Path(path).read_text()), run_id, True
     profile = measure(cfg, levels)
+    shape = shape_of(cfg.model)
     mlflow.set_tracking_uri(tracking_uri)
     mlflow.set_experiment(name)
     with mlflow.start_run(run_name="profile") as run:
         mlflow.set_tag(KEY_TAG, key)
         mlflow.log_params(
             {
-                "model.d_model": cfg.model.d_model,
-                "model.n_layers": cfg.model.n_layers,
+                "model.kind": cfg.model.kind,
+                "model.d_model": shape.d_model,
+                "model.n_layers": shape.n_layers,
                 "model.input_dim": cfg.model.input_dim,
                 "concurrency": ",".join(map(str, levels)),
             }

@@ -35,14 +35,15 @@ from typing import TYPE_CHECKING
 
 from raylane.config.dims import ParallelDims
 from raylane.models import build_model
-from raylane.models.gpt import GPT, Block
+from raylane.models.classifier import build_with_blocks
+from raylane.models.families import shape_of
 from raylane.models.losses import cross_entropy
 from raylane.models.optim import build_optimizer
 from raylane.parallel.device import StreamClock
 from raylane.parallel.mesh import build_device_mesh
 from raylane.parallel.parallelize import parallelize
 from raylane.parallel.param_server import ParameterShard
-from raylane.parallel.pipeline import SCHEDULES
+from raylane.parallel.pipeline import SCHEDULES, build_stage_module
 from raylane.plan.wrapped import wrap_dims
 
 if TYPE_CHECKING:
@@ -50,15 +51,16 @@ if TYPE_CHECKING:
 
 
 def build_meshes(
-    world: int, levels: list[int], n_heads: int, device_type: str = "cpu"
+    world: int, levels: list[int], splits: bool, device_type: str = "cpu"
 ) -> dict[int, dict[str, ParallelMesh]]:
     """Every level's meshes on `device_type` (the workers' devices: 'cuda' under NCCL), built
-    on every rank up front (creating a mesh is collective)."""
+    on every rank up front (creating a mesh is collective); tensor-parallel ones where the
+    model `splits` over 2 (`raylane.plan.wrapped.wrap_dims`)."""
     built: dict[ParallelDims, ParallelMesh] = {}
     meshes: dict[int, dict[str, ParallelMesh]] = {}
     for k in levels:
         meshes[k] = {}
-        for name, dims in wrap_dims(world, k, n_heads).items():
+        for name, dims in wrap_dims(world, k, splits).items():
             if dims not in built:
                 # Only the level's first k workers time the block; the replicas that fill
                 # the world sit it out, so its shards must not all-reduce over them (HSDP).
@@ -67,25 +69,20 @@ def build_meshes(
     return meshes
 
 
+def one_block(model_cfg):
+    """One block of the configured family as a module of hidden states to hidden states: the
+    model with one block and no ends (a middle pipeline stage's form, split by the family's
+    own tensor-parallel plan)."""
+    return build_stage_module(build_with_blocks(model_cfg, 1), 1, [0, 0, 1, 1])
+
+
 def _wrapped_block(cfg, mesh: ParallelMesh, device):
-    """One block of the config's GPT inside a module `parallelize` accepts, on `device`,
-    parallelized by the layout of `mesh` exactly as a run's blocks are (FSDP's root unit
-    included)."""
+    """One block of the config's model (`one_block`) on `device`, parallelized by the layout
+    of `mesh` exactly as a run's blocks are (FSDP's root unit included)."""
     import torch
-    from torch import nn
-
-    class OneBlock(nn.Module):
-        tp_plan = GPT.tp_plan  # the GPT's block, split by the GPT's plan
-
-        def __init__(self):
-            super().__init__()
-            self.blocks = nn.ModuleDict({"0": Block(cfg.model.d_model, cfg.model.n_heads)})
-
-        def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-            return self.blocks["0"](hidden)
 
     torch.manual_seed(cfg.training.seed)  # every worker of a group starts from the same block
-    return parallelize(OneBlock().to(device), mesh, activation_checkpointing=False)
+    return parallelize(one_block(cfg.model).to(device), mesh, activation_checkpointing=False)
 
 
 def time_wrapped_blocks(
@@ -99,13 +96,14 @@ def time_wrapped_blocks(
     import torch
 
     m, training = cfg.model, cfg.training
+    width = shape_of(m).d_model
     found: dict[str, dict[int, float]] = {}
     optimizer_s: dict[str, float] = {}
     for name, mesh in meshes.items():
         block = _wrapped_block(cfg, mesh, device)
         found[name] = {}
         for rows in rows_list:
-            hidden = torch.randn(rows, m.input_dim, m.d_model, device=device, requires_grad=True)
+            hidden = torch.randn(rows, m.input_dim, width, device=device, requires_grad=True)
 
             def train_block(block=block, hidden=hidden):
                 block(hidden).sum().backward()
@@ -161,7 +159,7 @@ def time_schedules(
     import torch
     from torch.distributed.pipelining import PipelineStage
 
-    width, device = cfg.model.d_model, torch.device(device)
+    width, device = shape_of(cfg.model).d_model, torch.device(device)
     layer = torch.nn.Linear(width, width).to(device)
     stage = PipelineStage(layer, rank, 2, device, group=group)
     found: dict[str, dict[int, float]] = {}

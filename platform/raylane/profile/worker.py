@@ -38,7 +38,8 @@ from typing import Any
 
 from raylane.config import RaylaneConfig
 from raylane.models import build_model
-from raylane.models.gpt import GPT, Block
+from raylane.models.classifier import build_with_blocks
+from raylane.models.families import shape_of
 from raylane.models.losses import cross_entropy
 from raylane.models.optim import build_optimizer
 from raylane.parallel.device import synchronize, worker_device
@@ -46,6 +47,7 @@ from raylane.parallel.precision import apply_matmul_precision
 from raylane.plan.fits import block_train_flops, compute_fit, link_fit
 from raylane.profile.layouts import (
     build_meshes,
+    one_block,
     start_param_server,
     time_ddp,
     time_param_server,
@@ -101,9 +103,17 @@ class _Timer:
 
 
 def _parts(cfg):
-    """A block and the model's ends (a GPT without blocks), as the training run builds them."""
-    m = cfg.model
-    return Block(m.d_model, m.n_heads), GPT(m.num_classes, m.input_dim, m.d_model, m.n_heads, 0)
+    """A block and the model's ends (the model without blocks), as the training run builds
+    them, for any family (`one_block`)."""
+    return one_block(cfg.model), build_with_blocks(cfg.model, 0)
+
+
+def _hidden(cfg, rows: int, device):
+    """Hidden states a block takes: `rows` sequences of the run's length, the family's width."""
+    import torch
+
+    width = shape_of(cfg.model).d_model
+    return torch.randn(rows, cfg.model.input_dim, width, device=device, requires_grad=True)
 
 
 def _time_compute(cfg, median_s, device, sync=None) -> dict[str, dict[int, float]]:
@@ -113,7 +123,7 @@ def _time_compute(cfg, median_s, device, sync=None) -> dict[str, dict[int, float
     block, ends = (part.to(device) for part in _parts(cfg))
     found: dict[str, dict[int, float]] = {"block": {}, "block_forward": {}, "ends": {}}
     for rows in ROWS:
-        hidden = torch.randn(rows, m.input_dim, m.d_model, device=device, requires_grad=True)
+        hidden = _hidden(cfg, rows, device)
         tokens = torch.randint(0, m.num_classes, (rows, m.input_dim), device=device)
 
         def train_block(hidden=hidden):
@@ -196,7 +206,8 @@ def profile_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     # the store, so that they leave the cores to the ranks measuring.
     groups = {k: dist.new_group(list(range(k))) for k in levels if distributed and k > 1}
     pair = groups.get(2) or (dist.new_group([0, 1]) if distributed else None)
-    meshes = build_meshes(world, levels, cfg.model.n_heads, device.type) if distributed else {}
+    splits = shape_of(cfg.model).splits_over(2)
+    meshes = build_meshes(world, levels, splits, device.type) if distributed else {}
     shard = start_param_server(cfg, rank, distributed)
     mine: dict[str, Any] = {"baseline_rss_mb": baseline_rss_mb, "levels": {}}
     if device.type == "cuda":  # what the device holds before any model: the GPU's baseline
@@ -305,7 +316,7 @@ def summarise(records: list[dict], cfg, device="cpu") -> dict[str, Any]:
     block, ends = (part.to(device) for part in _parts(cfg))
     block_activation = _saved_bytes_per_row(
         block,
-        lambda rows: torch.randn(rows, m.input_dim, m.d_model, device=device, requires_grad=True),
+        lambda rows: _hidden(cfg, rows, device),
     )
     ends_activation = _saved_bytes_per_row(  # what the loss keeps counts: a run computes it
         lambda tokens: cross_entropy(ends(tokens), tokens),
@@ -324,7 +335,7 @@ def summarise(records: list[dict], cfg, device="cpu") -> dict[str, Any]:
         "ends_activation_bytes_per_row": ends_activation,
         "baseline_rss_mb": statistics.median(r["baseline_rss_mb"] for r in records),
         **_device_baseline(records),
-        "block_flops_per_s": block_train_flops(largest, m.input_dim, m.d_model) / block_s,
+        "block_flops_per_s": block_train_flops(largest, shape_of(m)) / block_s,
         "all_reduce": top.get("all_reduce"),
         "p2p": asdict(link_fit(_median_by_size(records, "p2p"))) if "p2p" in records[0] else None,
     }

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from ray.tune.search import Searcher
 
 from raylane.config import ConfigError, RaylaneConfig
+from raylane.models.families import shape_of
 from raylane.plan.measured import LocalPrediction, ProfileMismatch, predict_config
 from raylane.profile.job import load_or_measure
 from raylane.tracking import resolve_tracking_uri
@@ -36,11 +37,12 @@ def profile_input(spec: TuneSpec, candidates: list[Candidate]) -> tuple[RaylaneC
     """What the search profiles: its widest candidate's config, at each of its worker counts."""
     widest = max(candidates, key=lambda c: c.overrides["parallelism.workers"])
     base = trial_config(spec, widest)
-    if base.model.kind != "gpt":
+    try:
+        shape_of(base.model)
+    except ValueError as error:
         raise ConfigError(
-            f"predict.enabled needs a GPT base model (model.kind is '{base.model.kind}'): "
-            "set predict.enabled=false to measure every layout"
-        )
+            f"predict.enabled: {error}; set predict.enabled=false to measure every layout"
+        ) from None
     return base, sorted({c.overrides["parallelism.workers"] for c in candidates})
 
 
