@@ -10,7 +10,13 @@ ratios, `raylane.tune.calibration.pooled`), in the order they ran (ddp on 2 work
 which nothing calibrates and which is not scored). The last line is one JSON object: the
 median |predicted - measured| / measured step time per strategy and overall.
 
+`--family llama` measures a Llama-family decoder of the same size instead (grouped-query
+attention, SwiGLU, rotary positions: `model.kind: llama`) in the layouts a Llama user runs at 2
+workers (ddp, fsdp, tp, pipeline, and ddp with context parallelism), and scores each layout's
+predicted peak worker memory against its measured peak resident memory as well.
+
     python benchmarks/prediction_error.py [--epochs 4] [--steps 16] [--save FILE]
+    python benchmarks/prediction_error.py --family llama
     python benchmarks/prediction_error.py --figures-from FILE   # re-predict a saved run
 
 `--save` keeps what was measured (the profile and every trial's step time and split), so that
@@ -42,14 +48,21 @@ from raylane.tune.spec import TuneSpec
 ROOT = Path(__file__).resolve().parents[1]
 STRATEGIES = ("ddp", "fsdp", "tp", "pipeline", "hybrid", "local_sgd", "ssp")
 SMOKE_STRATEGIES = ("ddp", "fsdp")
+#: The Llama's layouts at 2 workers (cp: ddp with each sequence split over both workers).
+LLAMA_STRATEGIES = ("ddp", "fsdp", "tp", "pipeline")
+#: A Llama of the GPT's width and depth: 4 query heads sharing 2 key/value heads, SwiGLU.
+LLAMA_MODEL = ["model.kind=llama", "model.n_kv_heads=2", "model.ffn_dim=192"]
+FAMILY_STRATEGIES = {"gpt": STRATEGIES, "llama": LLAMA_STRATEGIES}
 #: A model small enough for a smoke run to profile and train in seconds.
 SMOKE_MODEL = ["model.d_model=32", "model.n_layers=2", "model.input_dim=16", "data.max_bytes=16384"]
 
 
 def make_spec(
-    workdir: Path, epochs: int, steps: int, strategies=STRATEGIES, name: str = "out", smoke=False
-) -> TuneSpec:
-    wide = len(strategies) > 1 and not smoke
+    workdir: Path, epochs: int, steps: int, strategies=STRATEGIES, name: str = "out", smoke=False,
+    family: str = "gpt",
+) -> TuneSpec:  # fmt: skip
+    llama = family == "llama"
+    wide = len(strategies) > 1 and not smoke and not llama
     return TuneSpec.model_validate(
         {
             "experiment": "bench-prediction",
@@ -60,12 +73,14 @@ def make_spec(
                 f"data.validation_path={workdir}/data/validation.parquet",
                 "parallelism.schedule=1f1b",
                 *(SMOKE_MODEL if smoke else []),
+                *(LLAMA_MODEL if llama else []),
             ],
             "search": {
                 "strategy": list(strategies),
                 "workers": [2, 4] if wide else [2],
                 "pp": [2],
                 "tp": [2],
+                "cp": [1, 2] if llama and not smoke else [1],
                 "microbatches": [4],
                 "batch_size": [32],
             },
@@ -83,12 +98,12 @@ def make_spec(
 PARTS = ("compute", "comm", "bubble", "ring", "data_wait")
 
 
-def measure(epochs: int, steps: int, smoke: bool = False) -> dict:
+def measure(epochs: int, steps: int, smoke: bool = False, family: str = "gpt") -> dict:
     """Profile the cluster and run every layout as a trial; what was measured, as JSON."""
-    strategies = SMOKE_STRATEGIES if smoke else STRATEGIES
+    strategies = SMOKE_STRATEGIES if smoke else FAMILY_STRATEGIES[family]
     with tempfile.TemporaryDirectory() as tmp, ray_session(num_cpus=2):
         workdir = Path(tmp)
-        spec = make_spec(workdir, epochs, steps, strategies, smoke=smoke)
+        spec = make_spec(workdir, epochs, steps, strategies, smoke=smoke, family=family)
         candidates, _ = enumerate_candidates(spec)
         configs = [trial_config(spec, c) for c in candidates]
         widest = max(configs, key=lambda c: c.parallelism.workers)
@@ -100,26 +115,29 @@ def measure(epochs: int, steps: int, smoke: bool = False) -> dict:
         # are apart is the floor under any prediction's error.
         again = None
         if not smoke:
-            again = run_search(make_spec(workdir, epochs, steps, ("ddp",), "again"))
+            again = run_search(make_spec(workdir, epochs, steps, ("ddp",), "again", family=family))
     trials = []
     for trial in grid.trials:
         split = {p: trial.metrics.get(f"step_{p}_ms", 0.0) for p in PARTS}
         trials.append(
             {"key": trial.candidate.key, "overrides": trial.candidate.overrides,
              "status": trial.status, "detail": trial.detail, "step_ms": trial.step_ms,
-             "data_wait_ms": trial.data_wait_ms, "split_ms": split}
+             "data_wait_ms": trial.data_wait_ms, "split_ms": split,
+             "peak_rss_mb": trial.peak_rss_mb}
         )  # fmt: skip
     repeat = next((t.step_ms for t in again.trials if t.step_ms), None) if again else None
     return {
         "epochs": epochs, "steps": steps, "profile": profile, "trials": trials,
-        "calibration_repeat_ms": repeat, "smoke": smoke,
+        "calibration_repeat_ms": repeat, "smoke": smoke, "family": family,
     }  # fmt: skip
 
 
 def score(run: dict) -> dict:
     """Predict every measured layout from the run's profile with the current cost model."""
-    smoke = run.get("smoke", False)
-    spec = make_spec(Path(tempfile.gettempdir()), run["epochs"], run["steps"], smoke=smoke)
+    smoke, family = run.get("smoke", False), run.get("family", "gpt")
+    spec = make_spec(
+        Path(tempfile.gettempdir()), run["epochs"], run["steps"], smoke=smoke, family=family
+    )
     profile = run["profile"]
     measured = [t for t in run["trials"] if t["step_ms"]]
     raw = {
@@ -136,7 +154,13 @@ def score(run: dict) -> dict:
     everything = [e for errors in by_strategy.values() for e in errors]
     repeat = run.get("calibration_repeat_ms")
     calibration = pooled(list(own.values()))
+    memory = {
+        t["key"]: round((raw[t["key"]].memory_mb - t["peak_rss_mb"]) / t["peak_rss_mb"], 3)
+        for t in measured
+        if t.get("peak_rss_mb")
+    }
     return {
+        "family": family,
         "layouts": len(measured),
         "calibrated_by": "the layouts measured before each (median ratio)",
         "first_scale": round(own[measured[0]["key"]].step_scale, 3),
@@ -154,6 +178,9 @@ def score(run: dict) -> dict:
         "by_strategy_raw": {
             s: round(statistics.median(errors), 3) for s, errors in sorted(raw_by_strategy.items())
         },
+        # (predicted - measured peak resident memory) / measured, per layout (raw profile).
+        "memory_error": memory,
+        "worst_memory_error": max((abs(e) for e in memory.values()), default=None),
     }
 
 
@@ -171,6 +198,7 @@ def print_layouts(run: dict, measured: list[dict], raw: dict, own: dict) -> tupl
         error = (calibrated.step_ms - step_ms) / step_ms
         raw_error = (raw[key].step_ms - step_ms) / step_ms
         strategy = key.split("-")[0] + ("xtp" if "-tp2-" in key and key.startswith("fsdp") else "")
+        strategy += "-cp" if "-cp2" in key else ""
         if before:
             by_strategy[strategy].append(abs(error))
         raw_by_strategy[strategy].append(abs(raw_error))
@@ -194,6 +222,10 @@ def main() -> None:
     parser.add_argument(
         "--figures-from", type=Path, help="Score a run saved with --save instead of measuring."
     )
+    parser.add_argument(
+        "--family", choices=sorted(FAMILY_STRATEGIES), default="gpt",
+        help="The model measured: raylane's GPT, or a Llama-family decoder of its size.",
+    )  # fmt: skip
     add_smoke_flag(parser)
     args = parser.parse_args()
     if args.smoke:
@@ -202,7 +234,7 @@ def main() -> None:
     if args.figures_from:
         run = json.loads(args.figures_from.read_text())
     else:
-        run = measure(args.epochs, args.steps, args.smoke)
+        run = measure(args.epochs, args.steps, args.smoke, args.family)
         if args.save:
             args.save.write_text(json.dumps(run))
     print_last_line(score(run), args.smoke or run.get("smoke", False))

@@ -14,6 +14,10 @@ same for the profile's own predictions, before the planner's calibration by its 
 trials. The last line is one JSON object.
 
     python benchmarks/tune_vs_grid.py [--epochs 6] [--steps 6] [--smoke]
+    python benchmarks/tune_vs_grid.py --family llama
+
+`--family llama` searches the same space over a Llama-family decoder of the GPT's size
+(`model.kind: llama`, 4 query heads sharing 2 key/value heads, a SwiGLU MLP).
 
 `--smoke` searches one layout (ddp on 1 worker) for 2 epochs of 1 step, with a small model.
 """
@@ -42,6 +46,8 @@ SEARCH = {
     "grad_compression": ["none"],
 }
 SMOKE_SEARCH = {"strategy": ["ddp"], "workers": [1], "batch_size": [8]}
+#: `--family`: the base model's overrides (gpt: the base config's own).
+FAMILIES = {"gpt": [], "llama": ["model.kind=llama", "model.n_kv_heads=2", "model.ffn_dim=192"]}
 #: A model small enough for a smoke run to profile and train in seconds.
 SMOKE_MODEL = ["model.d_model=32", "model.n_layers=2", "model.input_dim=16", "data.max_bytes=16384"]
 
@@ -57,6 +63,7 @@ def make_spec(workdir: Path, args, scheduler: str, top_k: int = 3) -> TuneSpec:
                 f"data.train_path={workdir}/data/train.parquet",
                 f"data.validation_path={workdir}/data/validation.parquet",
                 *(SMOKE_MODEL if args.smoke else []),
+                *FAMILIES[args.family],
             ],
             "search": SMOKE_SEARCH if args.smoke else SEARCH,
             "trial": {"epochs": epochs, "steps_per_epoch": steps, "warmup_epochs": 1},
@@ -74,6 +81,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=6, help="Full trial length (epochs).")
     parser.add_argument("--steps", type=int, default=6, help="Steps per epoch.")
     parser.add_argument("--top-k", type=int, default=3, help="Layouts the planner measures.")
+    parser.add_argument(
+        "--family", choices=sorted(FAMILIES), default="gpt",
+        help="The model searched: raylane's GPT, or a Llama-family decoder of its size.",
+    )  # fmt: skip
     add_smoke_flag(parser)
     args = parser.parse_args()
     if args.smoke:
@@ -113,7 +124,9 @@ def prediction_errors(grid, planner) -> tuple[dict[str, float], dict[str, float]
     return errors, raw_errors
 
 
-def figures_of(grid, planner, errors: dict[str, float], raw_errors: dict[str, float]) -> dict:
+def figures_of(
+    grid, planner, errors: dict[str, float], raw_errors: dict[str, float], family: str = "gpt"
+) -> dict:
     """The last line's figures."""
     grid_rate = {t.candidate.key: t.samples_per_s for t in grid.trials if t.status == "ok"}
     best_key = max(grid_rate, key=grid_rate.get)
@@ -121,6 +134,7 @@ def figures_of(grid, planner, errors: dict[str, float], raw_errors: dict[str, fl
     calibration = planner.calibration
     wait_ms = 1000 * calibration.data_wait_s if calibration else 0.0
     return {
+        "family": family,
         "layouts": len(grid.trials),
         "grid_best": best_key,
         "grid_best_samples_per_s": round(grid_rate[best_key], 1),
@@ -151,7 +165,7 @@ def main() -> None:
     print_table(grid, console)
     print_table(planner, console)
     errors, raw_errors = prediction_errors(grid, planner)
-    figures = figures_of(grid, planner, errors, raw_errors)
+    figures = figures_of(grid, planner, errors, raw_errors, args.family)
     print(
         f"grid: {figures['layouts']} layouts in {figures['grid_wall_s']} s, best "
         f"{figures['grid_best']}; planner: {figures['planner_wall_s']} s, pick "

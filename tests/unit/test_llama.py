@@ -45,11 +45,21 @@ def _hf_model(kind: str):
                 ):
                     proj.bias.normal_(std=0.5)
         return model.eval()
+    if kind == "qwen3":  # per-head q/k norms, a head_dim wider than hidden_size / heads
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=32, **SHAPE))
+        with torch.no_grad():  # the norms start at one: make them count
+            for block in model.model.layers:
+                block.self_attn.q_norm.weight.normal_(1.0, 0.5)
+                block.self_attn.k_norm.weight.normal_(1.0, 0.5)
+        return model.eval()
+    if kind == "mistral":  # no sliding window: raylane attends over the whole context
+        config = transformers.MistralConfig(sliding_window=None, **SHAPE)
+        return transformers.MistralForCausalLM(config).eval()
     rope = {"rope_parameters": LLAMA3_ROPE} if kind == "llama3" else {}
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE, **rope)).eval()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "llama3"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama3", "qwen3", "mistral"])
 def checkpoint(request, tmp_path_factory):
     """(transformers' model, the directory it saved itself to)."""
     torch.set_num_threads(2)

@@ -76,8 +76,9 @@ class ModelConfig(StrictModel):
     pretrained: Path | None = Field(
         None,
         description="llama: a Hugging Face model directory (config.json with model_type llama, "
-        "mistral or qwen2, and safetensors weights) to start from. Its config.json decides the "
-        "architecture: d_model, n_heads, n_layers and the llama fields below are then not read.",
+        "mistral, qwen2 or qwen3, and safetensors weights) to start from. Its config.json "
+        "decides the architecture: d_model, n_heads, n_layers and the llama fields below are "
+        "then not read.",
     )
     n_kv_heads: int | None = Field(
         None,

@@ -73,9 +73,9 @@ FAMILIES: dict[str, Family] = {
         Family("gpt", "raylane's byte-level GPT", _gpt_shape),
         Family(
             "llama",
-            "Llama-family decoders: Llama 2/3, Mistral (no sliding window), Qwen2",
+            "Llama-family decoders: Llama 2/3, Mistral (no sliding window), Qwen2, Qwen3",
             _llama_shape,
-            model_types=("llama", "mistral", "qwen2"),
+            model_types=("llama", "mistral", "qwen2", "qwen3"),
         ),  # fmt: skip
         Family("mlp", "fully connected classifier", unplanned=_CLASSIFIER.format(kind="mlp")),
         Family("cnn", "convolutional classifier", unplanned=_CLASSIFIER.format(kind="cnn")),

@@ -1,7 +1,7 @@
 """Hugging Face checkpoints of Llama-family decoders, read into and written from raylane's
 `LlamaForCausalLM` (`raylane.models.llama`).
 
-A directory holds `config.json` (`model_type` llama, mistral or qwen2) and its weights in
+A directory holds `config.json` (`model_type` llama, mistral, qwen2 or qwen3) and its weights in
 `model.safetensors` or in shards listed by `model.safetensors.index.json`. Names map by prefix
 alone (`model.embed_tokens.` <-> `tok_emb.`, `model.layers.` <-> `blocks.`, `model.norm.` <->
 `norm.`, `lm_head.` <-> `head.`): inside a block raylane uses Hugging Face's names. Loading
@@ -26,7 +26,7 @@ from safetensors.torch import save_file
 from raylane.models.llama import Llama3Rope, LlamaConfig, LlamaForCausalLM
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                 "qwen2": "Qwen2ForCausalLM"}  # fmt: skip
+                 "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
 #: Hugging Face's prefix -> raylane's; what follows a prefix is the same on both sides.
 PREFIXES = (
     ("model.embed_tokens.", "tok_emb."),
@@ -92,6 +92,7 @@ def read_config(directory: str | Path) -> LlamaConfig:
             tie_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=model_type == "qwen2" or bias,
             o_bias=model_type != "qwen2" and bias,
+            qk_norm=model_type == "qwen3",
             model_type=model_type,
         )
     except ValueError as error:
@@ -268,7 +269,10 @@ def hf_config(cfg: LlamaConfig, dtype: torch.dtype) -> dict:
         raise ValueError(
             f"model_type {cfg.model_type!r}: raylane writes {', '.join(ARCHITECTURES)}"
         )
-    biases = (cfg.qkv_bias, cfg.o_bias)  # llama: attention_bias, both or neither
+    if cfg.qk_norm != (cfg.model_type == "qwen3"):
+        holds = "cannot hold" if cfg.qk_norm else "needs"
+        raise ValueError(f"a {cfg.model_type} checkpoint {holds} per-head query and key norms")
+    biases = (cfg.qkv_bias, cfg.o_bias)  # llama, qwen3: attention_bias, both or neither
     fixed = {"qwen2": (True, False), "mistral": (False, False)}.get(cfg.model_type)
     if biases != (fixed or (cfg.qkv_bias, cfg.qkv_bias)):
         raise ValueError(
@@ -301,6 +305,9 @@ def hf_config(cfg: LlamaConfig, dtype: torch.dtype) -> dict:
     }
     if cfg.model_type == "llama":
         config |= {"attention_bias": cfg.o_bias, "mlp_bias": False}
+    elif cfg.model_type == "qwen3":
+        config |= {"attention_bias": cfg.o_bias, "sliding_window": None,
+                   "use_sliding_window": False}  # fmt: skip
     else:
         config |= {"sliding_window": None, "use_sliding_window": False}
     return config

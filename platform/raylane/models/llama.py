@@ -1,5 +1,6 @@
-"""A Llama-family decoder (Llama, Mistral without a sliding window, Qwen2): token embedding, N
-blocks of grouped-query attention with rotary positions and a SwiGLU MLP, RMSNorm, head.
+"""A Llama-family decoder (Llama, Mistral without a sliding window, Qwen2, Qwen3): token
+embedding, N blocks of grouped-query attention with rotary positions and a SwiGLU MLP, RMSNorm,
+head; Qwen3 normalises each query and key head (`qk_norm`) before the rotation.
 
 No parallelism inside, laid out as `raylane.models.gpt.GPT` is: blocks in a `ModuleDict` keyed
 by their index, the ends `tok_emb`, `norm` and `head` (None on a pipeline stage without them),
@@ -57,7 +58,8 @@ class LlamaConfig:
     tie_embeddings: bool = False  # tie_word_embeddings: the head is the embedding matrix
     qkv_bias: bool = False  # Qwen2 (and Llama's attention_bias) add biases to q, k and v
     o_bias: bool = False  # Llama's attention_bias adds one to o_proj as well
-    model_type: str = "llama"  # what an exported config.json declares: llama, mistral, qwen2
+    qk_norm: bool = False  # Qwen3: an RMSNorm over head_dim on every query and key head
+    model_type: str = "llama"  # what an exported config.json declares: llama, mistral, qwen2, qwen3
 
     def __post_init__(self):
         if not self.head_dim:
@@ -142,15 +144,21 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.d_model, bias=cfg.o_bias)
+        # Qwen3: each head's queries and keys normalised (one weight over head_dim, shared by
+        # the heads, so a tensor-parallel rank keeps it whole).
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps) if cfg.qk_norm else None
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Queries, keys and values `[B, heads, T, head_dim]` of `x`, q and k rotated."""
         hd = self.head_dim
 
-        def heads(t: torch.Tensor) -> torch.Tensor:  # explicit: an empty batch has no -1
-            return t.unflatten(-1, (t.shape[-1] // hd, hd)).transpose(1, 2)
+        def heads(t: torch.Tensor, norm: RMSNorm | None = None) -> torch.Tensor:
+            t = t.unflatten(-1, (t.shape[-1] // hd, hd))  # explicit: an empty batch has no -1
+            return (t if norm is None else norm(t)).transpose(1, 2)
 
-        q, k, v = heads(self.q_proj(x)), heads(self.k_proj(x)), heads(self.v_proj(x))
+        q = heads(self.q_proj(x), self.q_norm)
+        k, v = heads(self.k_proj(x), self.k_norm), heads(self.v_proj(x))
         return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -10,26 +10,41 @@ of heads from the projections' outputs. With sequence parallelism the two RMSNor
 residual adds work on sequence shards and the column-wise linears keep only their input's
 shard (`gpt_plan.SequenceGathered`); the block boundary and the model's end are the GPT's
 (`gpt_plan.block_io`, `gpt_plan.head_plan`), the block's rotary angles passed through whole.
+Qwen3's per-head query and key norms see only the worker's heads: their weights are replicated
+DTensors over the heads' shards (torch's `SequenceParallel` on the heads dimension), so each
+weight's gradient, partial on every worker, is summed over the tensor-parallel group.
 Imported only where tensor parallelism is applied, as the GPT's plan is.
 """
 
 from __future__ import annotations
 
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 from raylane.models import gpt_plan
 from raylane.models.gpt_plan import SequenceGathered, head_plan
 
 __all__ = ["block_io", "block_plan", "head_plan"]
+#: Qwen3's per-head norms (a plan entry the parallelizer leaves out where a block has none).
+QK_NORMS = ("self_attn.q_norm", "self_attn.k_norm")
 
 
 def block_plan(sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
     """How one `raylane.models.llama.LlamaBlock` is split: module name -> style. With
     `sequence_parallel`, the norms work on the block's sequence shards (`block_io`) and the
     column-wise linears keep only those shards for backward (`SequenceGathered`)."""
+    # [B, T, heads, head_dim]: a worker's heads are its shard of dimension 2.
+    head_norms = {
+        name: SequenceParallel(sequence_dim=2, use_local_output=True) for name in QK_NORMS
+    }
     if not sequence_parallel:
         columns, rows = ColwiseParallel, RowwiseParallel
         return {
+            **head_norms,
             "self_attn.q_proj": columns(),
             "self_attn.k_proj": columns(),
             "self_attn.v_proj": columns(),
@@ -39,10 +54,10 @@ def block_plan(sequence_parallel: bool = False) -> dict[str, ParallelStyle]:
             "mlp.down_proj": rows(),
         }
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import SequenceParallel
 
     scattered = {"output_layouts": Shard(1), "use_local_output": False}  # reduce-scatter
     return {
+        **head_norms,
         "input_layernorm": SequenceParallel(),
         "self_attn.q_proj": SequenceGathered(),
         "self_attn.k_proj": SequenceGathered(),

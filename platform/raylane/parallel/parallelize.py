@@ -84,6 +84,14 @@ def checkpoint_blocks(model: nn.Module) -> nn.Module:
     return model
 
 
+def _has_module(module: nn.Module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
 def apply_tensor_parallel(
     model: nn.Module,
     tp_mesh: DeviceMesh,
@@ -111,7 +119,10 @@ def apply_tensor_parallel(
     blocks = model_blocks(model)
     ends = sequence_parallel and vocabulary_loss and model.head is not None
     for index, block in enumerate(blocks):
-        parallelize_module(block, tp_mesh, plan.block_plan(sequence_parallel))
+        # A plan's entries for parts this block does not have are left out (a family's
+        # optional modules: Qwen3's per-head q/k norms).
+        styles = plan.block_plan(sequence_parallel).items()
+        parallelize_module(block, tp_mesh, {n: s for n, s in styles if _has_module(block, n)})
         if sequence_parallel:
             last = ends and index == len(blocks) - 1
             parallelize_module(block, tp_mesh, plan.block_io(last=last))
