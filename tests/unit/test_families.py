@@ -184,3 +184,29 @@ def test_an_unknown_family_or_checkpoint_is_named_in_one_line():
     with pytest.raises(ValueError, match=r"^c/config.json: intermediate_size is missing$"):
         DecoderShape.from_hf_config(missing, 64, "c/config.json")
     assert family_for_model_type("qwen2", "c/config.json").kind == "llama"
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        (dict(kind="gpt", n_kv_heads=2), "model.n_kv_heads is read by kind 'llama', not 'gpt'"),
+        (dict(kind="mlp", d_model=128), "model.d_model is read by kinds 'gpt' and 'llama', not "
+         "'mlp'"),
+        (dict(kind="llama", hidden_sizes=[32]), "model.hidden_sizes is read by kinds 'mlp' and "
+         "'cnn', not 'llama'"),
+        (dict(kind="gpt", factory="m:f"), "model.factory is read by kind 'custom', not 'gpt'"),
+        (dict(kind="cnn", input_dim=64, pretrained="ckpt"), "model.pretrained is read by kind "
+         "'llama', not 'cnn'"),
+    ],
+)  # fmt: skip
+def test_a_field_of_another_family_is_named_in_one_line(fields, message):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match=message):
+        ModelConfig(**fields)
+
+
+def test_a_resolved_config_with_every_field_listed_validates_again():
+    """A run's logged config lists every field at its value, defaults included."""
+    for model in (ModelConfig(kind="gpt", d_model=32), ModelConfig(kind="mlp")):
+        assert ModelConfig.model_validate(model.model_dump()) == model

@@ -27,6 +27,17 @@ DIGITS_CLASSES = 10
 FACTORY_FORM = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 #: The fields only a custom model reads.
 CUSTOM_FIELDS = ("factory", "args", "block_class")
+#: The fields each kind reads beyond `kind`, `input_dim` and `num_classes`: any other field
+#: given a value of its own is an error naming the kinds that read it.
+_LLAMA_ONLY = ("pretrained", "n_kv_heads", "ffn_dim", "rope_theta", "rms_norm_eps",
+               "tie_embeddings", "qkv_bias")  # fmt: skip
+KIND_FIELDS = {
+    "mlp": ("hidden_sizes", "input_scale"),
+    "cnn": ("hidden_sizes", "input_scale"),
+    "gpt": ("d_model", "n_heads", "n_layers"),
+    "llama": ("d_model", "n_heads", "n_layers", *_LLAMA_ONLY),
+    "custom": CUSTOM_FIELDS,
+}
 
 
 class ModelConfig(StrictModel):
@@ -134,10 +145,22 @@ class ModelConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _check_fields_of_the_kind(self) -> ModelConfig:
+        """A field another kind reads, set to a value of its own (not its default: a resolved
+        config lists every field), is a mistake: one line naming the kinds that read it."""
+        mine = KIND_FIELDS[self.kind]
+        for name in dict.fromkeys(f for fields in KIND_FIELDS.values() for f in fields):
+            if name in mine or getattr(self, name) == _default(name):
+                continue
+            readers = [kind for kind, fields in KIND_FIELDS.items() if name in fields]
+            kinds = " and ".join(f"'{kind}'" for kind in readers)
+            noun = "kinds" if len(readers) > 1 else "kind"
+            raise ValueError(f"model.{name} is read by {noun} {kinds}, not '{self.kind}'")
+        return self
+
+    @model_validator(mode="after")
     def _check_llama(self) -> ModelConfig:
         if self.kind != "llama":
-            if self.pretrained is not None:
-                raise ValueError(f"model.pretrained is read by kind 'llama', not '{self.kind}'")
             return self
         if self.pretrained is not None:
             return self._check_pretrained(self.pretrained)
@@ -156,13 +179,11 @@ class ModelConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_custom(self) -> ModelConfig:
-        """A custom model names an importable factory; the other kinds take none of its fields.
-        Calling the factory (a model on the meta device, what it returns) is the preflight's
-        (`raylane.models.custom.check_custom_model`): that needs torch."""
+        """A custom model names an importable factory (the other kinds take none of its
+        fields: `_check_fields_of_the_kind`). Calling the factory (a model on the meta device,
+        what it returns) is the preflight's (`raylane.models.custom.check_custom_model`):
+        that needs torch."""
         if self.kind != "custom":
-            given = [name for name in CUSTOM_FIELDS if getattr(self, name)]
-            if given:
-                raise ValueError(f"model.{given[0]} is read by kind 'custom', not '{self.kind}'")
             return self
         if self.factory is None:
             raise ValueError("model.kind 'custom' needs model.factory: 'package.module:function'")
@@ -259,6 +280,11 @@ class ModelConfig(StrictModel):
                 f"max_position_embeddings {context}"
             )
         return self
+
+
+def _default(name: str) -> Any:
+    field = ModelConfig.model_fields[name]
+    return field.get_default(call_default_factory=True)
 
 
 def import_factory(spec: str) -> Callable[..., Any]:
