@@ -59,7 +59,8 @@ SHARDED = block("raylane train --config configs/train/lm_tp.yaml")
 CONTEXT = block("raylane train --config configs/train/lm_long.yaml")
 CONSISTENCY = block("raylane train --config configs/train/digits_ddp.yaml --set parallelism")
 TUNE = block("raylane tune")
-PLAN = block("raylane plan")
+PLAN = block("raylane plan --config configs/plan/gpt_1p3b.yaml")
+PLAN_LLAMA = block("raylane plan --config configs/plan/llama3_8b.yaml")
 MLFLOW_UI = block(".venv/bin/mlflow ui")
 REPRODUCE = block("raylane reproduce <run-id>")
 DEPLOY = block("raylane deploy --config configs/train/digits_ddp.yaml")
@@ -544,6 +545,21 @@ def test_plan_block(readme):
     assert load_config(
         copy / "configs" / "generated" / "gpt-1p3b-cost-plan.yaml"
     ).parallelism.use_gpu
+
+
+def test_plan_llama_block(readme):
+    """The guide's Llama 3 8B plan, as it says: its size, a layout pruned with the memory it
+    needs, the winner a valid training config of the Llama for 32 GPUs."""
+    copy, env, _ = readme
+    run = _ok(run_block(PLAN_LLAMA, copy, env, timeout_s=120), PLAN_LLAMA.where)
+    output = " ".join(run.output.split())  # the console wraps long lines
+    assert "8.03 B parameters, 16 x 8192 tokens per step, bf16; 4 x 8 a100-80gb (32 devices)" in (
+        output
+    ), output
+    assert "e.g. ddp dp16 cp2: needs 200.8 GB per device, has 80 GB" in output, output
+    cfg = load_config(copy / "configs" / "generated" / "llama3-8b-plan.yaml")
+    assert cfg.model.kind == "llama" and cfg.model.n_kv_heads == 8
+    assert cfg.parallelism.workers == 32 and cfg.parallelism.use_gpu
 
 
 def test_mlflow_ui_block(readme):

@@ -13,13 +13,12 @@ import mlflow
 import numpy as np
 import pytest
 import torch
+import transformers
 from mlflow.tracking import MlflowClient
 from typer.testing import CliRunner
 
 from raylane.cli import app
 from tests.readme_blocks import ROOT
-
-transformers = pytest.importorskip("transformers")
 
 SIZES = dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip

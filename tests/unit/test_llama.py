@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import transformers
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
 
@@ -15,8 +16,6 @@ from raylane.config import ModelConfig, RaylaneConfig
 from raylane.models import build_model
 from raylane.models.hf_checkpoint import load_pretrained, read_config, save_pretrained
 from raylane.models.llama import LlamaForCausalLM, llama_config
-
-transformers = pytest.importorskip("transformers")
 
 VOCAB = 320
 SHAPE = dict(

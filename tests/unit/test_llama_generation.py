@@ -9,6 +9,7 @@ import shutil
 import mlflow
 import pytest
 import torch
+import transformers
 
 from raylane.models.hf_checkpoint import load_pretrained
 from raylane.models.llama import LlamaForCausalLM
@@ -18,8 +19,6 @@ from raylane.serving.generation.sampling import SamplingParams
 from raylane.serving.generation.tokenizer_codec import TokenizerCodec, load_codec
 from raylane.tracking.checkpoints_hf import import_checkpoint
 from tests.unit.conftest import CHECKPOINT
-
-transformers = pytest.importorskip("transformers")
 
 NEW = 64
 PROMPTS = ["def main(", "import os\nclass Path:", "é 漢字 🙂 return"]

@@ -21,6 +21,7 @@ import copy
 
 import pytest
 import torch
+import torchao  # noqa: F401 - pinned: a broken install fails, never skips
 from torch import nn
 
 from raylane.models.gpt import GPT
@@ -28,8 +29,6 @@ from raylane.serving.generation.engine import GenerationEngine
 from raylane.serving.generation.next_token import Sampling
 from raylane.serving.generation.placement import place_model
 from raylane.serving.generation.quantize import weight_bytes
-
-pytest.importorskip("torchao")
 
 SEED, TOKENS = 0, 32
 ABS_TOL, REL_TOL = 0.05, 0.02  # about twice the largest error measured over 16 seeds

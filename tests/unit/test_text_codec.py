@@ -8,14 +8,13 @@ import random
 import shutil
 
 import pytest
+import transformers
 
 from raylane.data.tokenizer import END_OF_TEXT, train_bpe
 from raylane.serving.generation.text_codec import BYTES, IncrementalDetokenizer
 from raylane.serving.generation.tokenizer_codec import load_codec
 from raylane.serving.openai_protocol import ChatCompletionRequest, TextStream
 from tests.unit.conftest import CHECKPOINT
-
-transformers = pytest.importorskip("transformers")
 
 # Multi-byte characters the BPE merges into tokens of their own and splits over byte tokens.
 CORPUS = [
