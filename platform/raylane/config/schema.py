@@ -57,6 +57,16 @@ class TrainingConfig(StrictModel):
         description="Recompute each transformer block's activations in backward instead of "
         "holding them (gpt): less memory, more compute.",
     )
+    loss_chunk_mb: float = Field(
+        64.0,
+        ge=0,
+        description="A language model's head and loss run together in chunks of tokens whose "
+        "fp32 logits hold at most this many MB, recomputed in backward: no step holds the whole "
+        "vocabulary's logits (a 151,936-token vocabulary at 4 x 256 tokens: 622 MB each copy). "
+        "Equal to the unchunked loss; where a step's logits fit in one chunk, it is the plain "
+        "loss. 0: the whole logits (gpt and llama with data or FSDP parallelism; other layouts "
+        "always hold them).",
+    )
     precision: Literal["fp32", "tf32", "bf16"] = Field(
         "fp32",
         description="Compute precision. 'bf16': forwards under bf16 autocast (the loss on fp32 "

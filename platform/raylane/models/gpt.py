@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from raylane.models.losses import head_cross_entropy
+
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal attention with separate query, key and value projections, so that a
@@ -109,12 +111,23 @@ class GPT(nn.Module):
         self.norm: nn.LayerNorm | None = nn.LayerNorm(d_model)
         self.head: nn.Linear | None = nn.Linear(d_model, vocab_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    #: `forward` takes `targets` and returns the loss (`head_cross_entropy`): the strategies'
+    #: steps never hold the whole vocabulary's logits.
+    takes_targets = True
+
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, chunk_bytes: float | None = None
+    ) -> torch.Tensor:
+        """Logits of tokens `x` `[B, T]` (or hidden states of a later stage); with `targets`
+        (a whole model's), the mean cross-entropy, its head computed in chunks of at most
+        `chunk_bytes` of logits (`raylane.models.losses.head_cross_entropy`)."""
         if self.tok_emb is not None:
             x = self.tok_emb(x) + self.pos_emb(self.positions(x.shape[1], x.device))
         for block in self.blocks.values():
             x = block(x)
         if self.head is not None:
+            if targets is not None:
+                return head_cross_entropy(self.norm(x), self.head, targets, chunk_bytes)
             x = self.head(self.norm(x))
         return x
 

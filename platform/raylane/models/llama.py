@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 from raylane.models.gpt import GPT
 from raylane.models.kv_cache import KVCache
+from raylane.models.losses import head_cross_entropy
 
 if TYPE_CHECKING:
     from raylane.config import ModelConfig
@@ -254,10 +255,16 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_embeddings and self.tok_emb is not None and self.head is not None:
             self.head.weight = self.tok_emb.weight
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    takes_targets = True  # `forward(x, targets=...)` returns the loss, as `GPT.forward`
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None,
+        targets: torch.Tensor | None = None, chunk_bytes: float | None = None,
+    ) -> torch.Tensor:  # fmt: skip
         """Logits of tokens `x` `[B, T]` (or hidden states of a later stage). `positions`
         (`[T]` or `[B, T]`, int64): where the tokens sit in their sequences; default
-        `self.positions`, 0..T-1."""
+        `self.positions`, 0..T-1. With `targets` (a whole model's), the mean cross-entropy,
+        its head in chunks of at most `chunk_bytes` of logits (`head_cross_entropy`)."""
         if positions is None:
             positions = self.positions(x.shape[1], x.device)
         cos, sin = self.rotary(positions)
@@ -266,6 +273,8 @@ class LlamaForCausalLM(nn.Module):
         for block in self.blocks.values():
             x = block(x, cos, sin)
         if self.head is not None:
+            if targets is not None:
+                return head_cross_entropy(self.norm(x), self.head, targets, chunk_bytes)
             x = self.head(self.norm(x))
         return x
 

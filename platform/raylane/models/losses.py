@@ -44,3 +44,45 @@ def token_sums(
     loss_sum = torch.where(counted > 0, mean * counted, torch.zeros_like(mean))
     correct = (flat_outputs.argmax(dim=-1) == flat_targets) & counts
     return loss_sum, correct.sum().double(), counted
+
+
+#: `training.loss_chunk_mb`'s default: the fp32 logits one chunk of the fused head and loss
+#: holds at most (a 151,936-token vocabulary: 110 tokens a chunk).
+LOSS_CHUNK_MB = 64.0
+
+
+def head_cross_entropy(
+    hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor,
+    chunk_bytes: float | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """`cross_entropy(head(hidden).float(), targets)` without ever holding the whole
+    vocabulary's logits: the tokens go through the head in chunks of at most `chunk_bytes` of
+    fp32 logits (default `LOSS_CHUNK_MB`), each chunk's loss summed and its logits freed at
+    once, then recomputed in backward (activation checkpointing per chunk). The mean over the
+    targets that are not -100, as `cross_entropy`'s; where every token fits in one chunk it is
+    `cross_entropy` itself.
+
+    `hidden` is `[..., d]` (the final norm's output), `targets` its `[...]` token ids.
+    """
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1).to(hidden.device)
+    tokens, vocabulary = flat_targets.numel(), head.out_features
+    chunk_bytes = LOSS_CHUNK_MB * 2**20 if chunk_bytes is None else chunk_bytes
+    chunk = max(1, int(chunk_bytes // (4 * vocabulary)))
+    if tokens <= chunk:
+        return cross_entropy(head(flat_hidden).float(), flat_targets)
+    from torch.utils.checkpoint import checkpoint
+
+    # The chunks' sums added in float64: the mean then rounds once, as the whole logits' does.
+    total = flat_hidden.new_zeros((), dtype=torch.float64)
+    for start in range(0, tokens, chunk):
+        part = slice(start, start + chunk)
+        summed = checkpoint(
+            _summed_loss, flat_hidden[part], flat_targets[part], head, use_reentrant=False
+        )
+        total = total + summed.double()
+    return (total / (flat_targets != IGNORE_INDEX).sum()).float()
+
+
+def _summed_loss(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module):
+    return F.cross_entropy(head(hidden).float(), targets, reduction="sum")

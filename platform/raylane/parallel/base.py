@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from raylane.models.losses import cross_entropy
 from raylane.parallel.device import CPU, to_device, worker_device
 from raylane.parallel.meters import ActivationMeter
 from raylane.parallel.parallelize import parallelize
@@ -128,6 +129,9 @@ class StrategyDefaults:
     steps = 0
     #: `training.precision`: 'bf16' runs forwards under autocast (raylane.parallel.precision).
     precision = "fp32"
+    #: `training.loss_chunk_mb` in bytes where this layout runs the model's head and loss
+    #: together (`model(inputs, targets=...)`: a model that `takes_targets`); 0: never.
+    loss_chunk_bytes = 0.0
     row_reporters = 1
 
     def sync_gradients(self, model: nn.Module) -> None:
@@ -157,10 +161,17 @@ class StrategyDefaults:
     ) -> Tensor:
         started = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
+        targets = to_device(targets, self.device)
+        fused = self._fuses_loss(model, loss_fn)
         with autocast(self.precision, self.device):
-            outputs = model(to_device(inputs, self.device))
+            inputs = to_device(inputs, self.device)
+            if fused:  # the head and the loss in chunks: never the whole logits
+                loss = model(inputs, targets=targets, chunk_bytes=self.loss_chunk_bytes)
+            else:
+                outputs = model(inputs)
         with self.loss_scope():
-            loss = loss_fn(outputs.float(), to_device(targets, self.device))
+            if not fused:
+                loss = loss_fn(outputs.float(), targets)
             backward_started = time.perf_counter()
             loss.backward()
             backward_done = time.perf_counter()
@@ -183,6 +194,19 @@ class StrategyDefaults:
 
     def steps_done(self) -> None:
         return None
+
+    def _fuses_loss(self, model: nn.Module, loss_fn: LossFn) -> bool:
+        """Whether this step runs the head and the loss inside the model's forward: where the
+        layout allows it (`loss_chunk_bytes`), the loss is raylane's own and the model takes
+        targets."""
+        plain = self.unwrap_model(model)
+        return (
+            bool(self.loss_chunk_bytes)
+            and loss_fn is cross_entropy
+            and (
+                getattr(plain, "takes_targets", False) and getattr(plain, "head", None) is not None
+            )
+        )
 
     def unwrap_model(self, model: nn.Module) -> nn.Module:
         return model
@@ -218,6 +242,7 @@ class WholeModelReplica(StrategyDefaults):
         self.activation_checkpointing = cfg.training.activation_checkpointing
         self.compile_blocks = cfg.training.compile
         self.precision = cfg.training.precision
+        self.loss_chunk_bytes = cfg.training.loss_chunk_mb * 2**20
         self.writes_part = rank == 0
         self.last_step_parts: dict[str, float] = {}
         self.sent_bytes = self.dense_bytes = self.steps = 0

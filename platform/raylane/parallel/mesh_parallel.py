@@ -60,6 +60,8 @@ class MeshParallel(StrategyDefaults):
         # Sequence parallelism runs the model's end on shards too: the head's logits are split
         # over the vocabulary and the loss is torch's `loss_parallel`.
         self.vocabulary_loss = self.mesh.dims.sequence_parallel
+        # The head and loss in chunks inside forward, where the head is whole (no tp).
+        self.loss_chunk_bytes = cfg.training.loss_chunk_mb * 2**20 if self.tp == 1 else 0.0
         # Replicas average inside backward (FSDP2, `parallelize`'s last step) unless their
         # average is compressed: then here, before each optimizer step.
         self.replicas = self.mesh.replicas
