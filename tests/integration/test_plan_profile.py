@@ -33,7 +33,9 @@ def test_profile_measures_once_then_is_reused(lm_profile, workspace):
     assert "all_reduce" not in found["levels"]["1"]
     # The sharded layouts' blocks as `parallelize` wraps them, on both workers at once (how
     # much a wrapped block costs against the plain one is the machine's: benchmarks/).
-    assert set(pair["wrapped"]) == {"tp2", "fsdp2"} and "wrapped" not in found["levels"]["1"]
+    # And the block under ring attention (its sequence cuts into 2 x 2 chunks).
+    assert cfg.model.input_dim % 4 == 0
+    assert set(pair["wrapped"]) == {"tp2", "fsdp2", "cp2"} and "wrapped" not in found["levels"]["1"]
     for name, wrapped in pair["wrapped"].items():
         assert set(wrapped) == {"fixed_s", "per_row_s", "optimizer_s"}, name
         assert min(wrapped["fixed_s"], wrapped["per_row_s"]) >= 0, name  # clamped fits

@@ -242,7 +242,7 @@ def _compute_parts(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> dict[str
             return plain_s(r)
         seconds = _fit(shape.wrapped, r)  # as the layout runs it, its collectives included
         if recompute:
-            seconds += _fit(level["block_forward"], r / shape.tp)
+            seconds += _fit(level["block_forward"], r / (shape.tp * shape.cp))
         return seconds
 
     optimizer = _optimizer_s(level, shape)
@@ -344,7 +344,7 @@ def _ring_s(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
     """Ring attention's exposed transfers (`raylane.plan.ring`): per layer, cp - 1 K/V blocks
     of this worker's tokens per pass, each a point-to-point transfer over one ring step's
     attention compute (the core's share of the block's forward, 1/cp of it per step)."""
-    if shape.cp == 1:
+    if shape.cp == 1 or shape.wrapped is not None:  # a wrapped block's time holds its ring
         return 0.0
     model = shape_of(cfg.model)
     block_bytes = kv_block_bytes(shape.rows, shape.tokens, model.kv_width / shape.tp)

@@ -37,7 +37,7 @@ def profile_key(cfg: RaylaneConfig, levels: list[int]) -> str:
     basis = {
         # What the profile measures: a profile of an older schema is measured again (2: the
         # sharded layouts' wrapped blocks and the parameter server's round trip; 3: any
-        # family's block, keyed by its whole shape).
+        # family's block, keyed by its whole shape, and a block under ring attention).
         "schema": 3,
         "model": [cfg.model.kind, asdict(shape_of(cfg.model))],
         "optimizer": cfg.training.optimizer,

@@ -51,7 +51,7 @@ if TYPE_CHECKING:
 
 
 def build_meshes(
-    world: int, levels: list[int], splits: bool, device_type: str = "cpu"
+    world: int, levels: list[int], splits: bool, device_type: str = "cpu", ring: bool = False
 ) -> dict[int, dict[str, ParallelMesh]]:
     """Every level's meshes on `device_type` (the workers' devices: 'cuda' under NCCL), built
     on every rank up front (creating a mesh is collective); tensor-parallel ones where the
@@ -60,7 +60,7 @@ def build_meshes(
     meshes: dict[int, dict[str, ParallelMesh]] = {}
     for k in levels:
         meshes[k] = {}
-        for name, dims in wrap_dims(world, k, splits).items():
+        for name, dims in wrap_dims(world, k, splits, ring).items():
             if dims not in built:
                 # Only the level's first k workers time the block; the replicas that fill
                 # the world sit it out, so its shards must not all-reduce over them (HSDP).
@@ -103,7 +103,8 @@ def time_wrapped_blocks(
         block = _wrapped_block(cfg, mesh, device)
         found[name] = {}
         for rows in rows_list:
-            hidden = torch.randn(rows, m.input_dim, width, device=device, requires_grad=True)
+            tokens = m.input_dim // mesh.dims.cp  # a ring worker holds its chunks of each row
+            hidden = torch.randn(rows, tokens, width, device=device, requires_grad=True)
 
             def train_block(block=block, hidden=hidden):
                 block(hidden).sum().backward()

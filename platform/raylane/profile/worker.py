@@ -207,7 +207,8 @@ def profile_worker(loop_config: dict[str, Any]) -> dict[str, Any] | None:
     groups = {k: dist.new_group(list(range(k))) for k in levels if distributed and k > 1}
     pair = groups.get(2) or (dist.new_group([0, 1]) if distributed else None)
     splits = shape_of(cfg.model).splits_over(2)
-    meshes = build_meshes(world, levels, splits, device.type) if distributed else {}
+    ring = cfg.model.input_dim % 4 == 0  # 2 ring workers, each 2 of 4 chunks of every row
+    meshes = build_meshes(world, levels, splits, device.type, ring) if distributed else {}
     shard = start_param_server(cfg, rank, distributed)
     mine: dict[str, Any] = {"baseline_rss_mb": baseline_rss_mb, "levels": {}}
     if device.type == "cuda":  # what the device holds before any model: the GPU's baseline

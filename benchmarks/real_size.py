@@ -1,0 +1,125 @@
+"""One LoRA training step of a Qwen2.5-0.5B-shaped model on this machine, its peak memory with
+the whole vocabulary's logits against the head and loss in chunks (`training.loss_chunk_mb`).
+
+A random model with Qwen2.5-0.5B's widths (494 M parameters: a 151,936-token vocabulary, 24
+blocks of 896 wide, 14 query heads sharing 2 key/value heads, q/k/v biases, the head tied to the
+embedding), built in place (no download), fp32, rank-8 LoRA on all seven projections of every
+block, one worker's batch of 4 x 256 tokens; each variant in a fresh process (its peak resident
+memory is the process's own), 2 steps after one warm-up, two torch threads each. Printed: each
+variant's peak RSS and median step, the bytes the whole logits predict (4 x 256 x 151,936 fp32:
+622 MB a copy), and whether the two losses and the adapters' gradients agree. The last line is
+one JSON object.
+
+    python benchmarks/real_size.py            # about 4 minutes
+    python benchmarks/real_size.py --smoke    # the same at a tiny width, in seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+from harness import add_smoke_flag, print_last_line
+
+#: Qwen2.5-0.5B's config.json widths.
+QWEN_0P5B = dict(vocab_size=151936, d_model=896, n_layers=24, n_heads=14, n_kv_heads=2,
+                 ffn_dim=4864, tie_embeddings=True, qkv_bias=True, model_type="qwen2")  # fmt: skip
+SMOKE = dict(vocab_size=4096, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128,
+             tie_embeddings=True, qkv_bias=True, model_type="qwen2")  # fmt: skip
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+ROWS, TOKENS, STEPS = 4, 256, 2
+
+
+def one_variant(chunk_mb: float, smoke: bool) -> dict:
+    """In this process: build, adapt, and time `STEPS` steps after a warm-up."""
+    import torch
+
+    from raylane.config.finetune import FinetuneConfig
+    from raylane.models.adapters import apply_lora
+    from raylane.models.llama import LlamaConfig, LlamaForCausalLM
+    from raylane.models.losses import cross_entropy
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    widths = SMOKE if smoke else QWEN_0P5B
+    model = LlamaForCausalLM(LlamaConfig(**widths, max_positions=TOKENS))
+    settings = FinetuneConfig(base="models:/base/1", rank=8, alpha=16, target_modules=TARGETS)
+    apply_lora(model, settings)
+    # Adapters at a seeded random start (B is zero at first: its gradients are what differ).
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B" in name:
+                p.normal_(std=0.01, generator=torch.Generator().manual_seed(1))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
+    tokens = torch.randint(0, widths["vocab_size"], (ROWS, TOKENS + 1),
+                           generator=torch.Generator().manual_seed(2))  # fmt: skip
+    x, t = tokens[:, :-1], tokens[:, 1:]
+    seconds, first = [], None
+    for step in range(STEPS + 1):
+        started = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        if chunk_mb:
+            loss = model(x, targets=t, chunk_bytes=chunk_mb * 2**20)
+        else:
+            loss = cross_entropy(model(x).float(), t)
+        loss.backward()
+        if step == 0:
+            first = (loss.item(), torch.cat([p.grad.flatten() for p in trainable]))
+        optimizer.step()
+        if step:
+            seconds.append(time.perf_counter() - started)
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {
+        "peak_rss_mb": peak_kb / 1024,
+        "step_s": statistics.median(seconds),
+        "loss": first[0],
+        "grads": first[1].tolist()
+        if smoke
+        else first[1][:: max(1, first[1].numel() // 4096)].tolist(),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
+
+
+def run_variant(chunk_mb: float, smoke: bool) -> dict:
+    command = [sys.executable, __file__, "--variant", str(chunk_mb)] + (
+        ["--smoke"] if smoke else []
+    )
+    out = subprocess.run(command, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--variant", type=float, help=argparse.SUPPRESS)
+    add_smoke_flag(parser)
+    args = parser.parse_args()
+    if args.variant is not None:
+        print(json.dumps(one_variant(args.variant, args.smoke)))
+        return
+    whole, chunked = run_variant(0.0, args.smoke), run_variant(64.0, args.smoke)
+    widths = SMOKE if args.smoke else QWEN_0P5B
+    logits_mb = ROWS * TOKENS * widths["vocab_size"] * 4 / 2**20
+    grad_diff = max(abs(a - b) for a, b in zip(whole["grads"], chunked["grads"], strict=True))
+    for name, run in (("whole logits", whole), ("chunked (64 MB)", chunked)):
+        print(f"{name:16s} peak RSS {run['peak_rss_mb']:8.0f} MB   step {run['step_s']:6.2f} s")
+    figures = {
+        "parameters": whole["parameters"],
+        "logits_mb_per_copy": round(logits_mb, 1),
+        "whole_peak_mb": round(whole["peak_rss_mb"]),
+        "chunked_peak_mb": round(chunked["peak_rss_mb"]),
+        "peak_saved_mb": round(whole["peak_rss_mb"] - chunked["peak_rss_mb"]),
+        "chunked_vs_whole_step": round(chunked["step_s"] / whole["step_s"], 3),
+        "loss_diff": abs(whole["loss"] - chunked["loss"]),
+        "grad_diff": grad_diff,
+    }
+    print_last_line(figures, args.smoke)
+
+
+if __name__ == "__main__":
+    main()
