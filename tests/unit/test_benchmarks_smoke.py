@@ -89,6 +89,13 @@ def gpu(last: dict) -> None:
     assert generation["weights"]["int8"].startswith("skipped: torchao")
 
 
+def real_size(last: dict) -> None:
+    # The loss in 1 MB chunks of the smoke's 16 MB logits: the same loss and adapter gradients.
+    assert last["chunk_mb"] == 1.0 and last["logits_mb_per_copy"] == 16.0
+    assert last["loss_diff"] <= 1e-6 and last["grad_diff"] <= 1e-6
+    assert last["whole_peak_mb"] > 0 and last["chunked_peak_mb"] > 0
+
+
 def smoke(name: str) -> list[str]:
     return [sys.executable, str(BENCHMARKS / f"{name}.py"), "--smoke"]
 
@@ -97,6 +104,7 @@ CASES = {
     "finetune": (smoke("finetune"), finetune),
     "long_context": (smoke("long_context"), long_context),
     "generate_load": (smoke("generate_load"), generate_load),
+    "real_size": (smoke("real_size"), real_size),
     "gpu": ([sys.executable, "-c", GPU_WITHOUT_RAY], gpu),
 }
 
