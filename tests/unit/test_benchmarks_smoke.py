@@ -94,6 +94,7 @@ def real_size(last: dict) -> None:
     assert last["chunk_mb"] == 1.0 and last["logits_mb_per_copy"] == 16.0
     assert last["loss_diff"] <= 1e-6 and last["grad_diff"] <= 1e-6
     assert last["whole_peak_mb"] > 0 and last["chunked_peak_mb"] > 0
+    assert last["recomputed_peak_mb"] > 0 and last["recomputed_grad_diff"] <= 1e-6
 
 
 def smoke(name: str) -> list[str]:

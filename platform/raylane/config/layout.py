@@ -240,10 +240,10 @@ def _check_compression(par: ParallelismConfig) -> None:
 
 def _check_options(cfg: LayoutConfig) -> None:
     par = cfg.parallelism
-    if cfg.training.activation_checkpointing and cfg.model.kind not in ("gpt", "custom"):
+    if cfg.training.activation_checkpointing and cfg.model.kind not in ("gpt", "llama", "custom"):
         raise ValueError(
             "training.activation_checkpointing recomputes transformer blocks; model.kind must "
-            f"be 'gpt' (or 'custom', by its blocks), not '{cfg.model.kind}'"
+            f"be 'gpt' or 'llama' (or 'custom', by its blocks), not '{cfg.model.kind}'"
         )
     if par.grad_compression != "none":
         _check_compression(par)

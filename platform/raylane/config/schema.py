@@ -32,6 +32,8 @@ __all__ = [
 ELASTIC_MAX_FAILURES = 3
 #: The model kinds that read token data, generate text and take adapters.
 LANGUAGE_MODELS = ("gpt", "llama")
+#: The training field a LoRA fine-tune turns on unless the config sets it.
+LORA_RECOMPUTES = "activation_checkpointing"
 
 
 class TrainingConfig(StrictModel):
@@ -55,7 +57,8 @@ class TrainingConfig(StrictModel):
     activation_checkpointing: bool = Field(
         False,
         description="Recompute each transformer block's activations in backward instead of "
-        "holding them (gpt): less memory, more compute.",
+        "holding them (gpt, llama, a custom model's blocks): less memory, more compute, the "
+        "same gradients. A LoRA fine-tune turns it on unless the config sets it.",
     )
     loss_chunk_mb: float = Field(
         64.0,
@@ -243,6 +246,10 @@ class RaylaneConfig(StrictModel):
                 f"finetune runs on strategy 'ddp' or 'fsdp' with every worker holding whole "
                 f"blocks (got '{par.strategy}', pp {par.pp}, tp {par.tp})"
             )
+        if self.finetune.method == "lora" and LORA_RECOMPUTES not in self.training.model_fields_set:
+            # LoRA's base is frozen: most of what a step holds is its activations, which it
+            # recomputes by default (the same gradients); `false` holds them.
+            self.training.activation_checkpointing = True
         return self
 
     @model_validator(mode="after")
