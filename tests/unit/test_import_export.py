@@ -132,9 +132,10 @@ def test_import_of_a_sharded_checkpoint_digests_its_shards_in_name_order(tmp_pat
     assert tags["raylane.weights_sha256"] == total
 
 
-def _log_trained(tmp_path, store: str, overrides: list[str], weights=None):
+def _log_trained(tmp_path, store: str, overrides: list[str], weights=None, tokenizer=True):
     """Record a run as `raylane train` does (resolved config, weights digest, the model logged
-    by torch.export and registered, the data's tokenizer), without Ray: (config, model)."""
+    by torch.export and registered, the data's tokenizer unless it trained on bytes), without
+    Ray: (config, model)."""
     from raylane.config import load_config
     from raylane.config.loader import config_to_yaml
     from raylane.models import build_model
@@ -153,10 +154,11 @@ def _log_trained(tmp_path, store: str, overrides: list[str], weights=None):
     with mlflow.start_run():
         mlflow.log_text(config_to_yaml(cfg), CONFIG_ARTIFACT)
         mlflow.set_tag("raylane.weights_digest", weights_digest(model.state_dict()))
-        tokenizer = tmp_path / "run-data" / "tokenizer.json"
-        tokenizer.parent.mkdir()
-        tokenizer.write_text('{"run": "tokenizer"}\n')
-        mlflow.log_artifact(str(tokenizer), "data")
+        if tokenizer:
+            path = tmp_path / "run-data" / "tokenizer.json"
+            path.parent.mkdir()
+            path.write_text('{"run": "tokenizer"}\n')
+            mlflow.log_artifact(str(path), "data")
         example = np.random.default_rng(0).integers(0, cfg.model.num_classes, (2, 16))
         log_trained_model(model, cfg, example)
     return cfg, model
@@ -206,7 +208,7 @@ def test_export_of_a_random_init_llama_with_tied_embeddings(tmp_path, store):
         "model.pretrained=null", "model.num_classes=300", "model.input_dim=16",
         "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.n_layers=2",
         "model.tie_embeddings=true", "data.tokenizer=bytes",
-    ])  # fmt: skip
+    ], tokenizer=False)  # fmt: skip
     from raylane.tracking.checkpoints_hf import export_model
 
     done = export_model("models:/trained/1", tmp_path / "out", store)
@@ -216,6 +218,17 @@ def test_export_of_a_random_init_llama_with_tied_embeddings(tmp_path, store):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     with torch.no_grad():
         assert (_logits(loaded) - trained(TOKENS)).abs().max().item() <= 1e-5
+
+    # What generation serves: the same weights, read without an export, in the serving dtype.
+    from raylane.serving.generation.loader import load_language_model
+    from raylane.serving.generation.text_codec import BYTES
+
+    served, card = load_language_model(store, "trained", 1, dtype=torch.bfloat16)
+    assert card.codec is BYTES and card.parameters == sum(p.numel() for p in trained.parameters())
+    assert {p.dtype for p in served.parameters()} == {torch.bfloat16}
+    assert served.head.weight is served.tok_emb.weight  # still tied
+    with torch.no_grad():
+        assert torch.equal(served(TOKENS), trained.to(torch.bfloat16)(TOKENS))
 
 
 def test_trained_llama_refuses_weights_of_another_model():

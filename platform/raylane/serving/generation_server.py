@@ -30,7 +30,7 @@ from raylane.serving.adapter_routing import AdapterDirectory
 from raylane.serving.errors import ProtocolError, route_path
 from raylane.serving.generation.engine import MAX_MODEL_LEN, GenerationEngine
 from raylane.serving.generation.loader import load_draft_model, load_generation_model
-from raylane.serving.generation.placement import place_model
+from raylane.serving.generation.placement import DTYPES, place_model
 from raylane.serving.generation_loop import GenerationLoop
 from raylane.serving.guard import GuardSettings, RequestGuard
 from raylane.serving.metrics import GenerationMetrics
@@ -96,9 +96,12 @@ class GenerationServer:
         self.model_name = model_name = replica.model_name
         self.default_max_tokens = default_max_tokens
         tracking_uri = replica.tracking_uri
+        # An imported checkpoint is read in the serving dtype onto the replica's device (no
+        # fp32 copy on the host first); an unknown dtype is `place_model`'s to refuse.
         served = load_generation_model(
-            tracking_uri, replica.registered_model, replica.version, merge=merge_adapter
-        )
+            tracking_uri, replica.registered_model, replica.version, merge=merge_adapter,
+            dtype=DTYPES.get(dtype, DTYPES["fp32"]), device=self.device,
+        )  # fmt: skip
         self.card, self.quantization = served.card, quantization
         self.codec = served.card.codec
         model = place_model(served.model, self.device, dtype, quantization)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from raylane.config import ConfigError
 from raylane.config.model_uri import parse_model_uri
-from raylane.models.hf_checkpoint import read_config, save_pretrained
+from raylane.models.hf_checkpoint import TOKENIZER_FILES, read_config, save_pretrained
 from raylane.models.hf_checkpoint import weights_sha256 as files_sha256
 from raylane.models.llama import LlamaForCausalLM, llama_config
 from raylane.tracking.identity import weights_digest
@@ -158,18 +158,55 @@ def export_model(uri: str, directory: str | Path, tracking_uri: str) -> Exported
             f"{named} is {article} {model_cfg.kind}; raylane export writes Llama-family models"
         )
 
-    model = trained_llama(model_cfg, registered_state(tracking_uri, ref.name, version))
+    model = _checked_trained_llama(client, tracking_uri, found, model_cfg, named)
+    save_pretrained(model, directory, source=_tokenizer_source(model_cfg))
+    _copy_run_tokenizer(client, found.run_id, directory)
+    return Exported(directory, ref.name, version, "llama")
+
+
+def read_trained_llama(
+    tracking_uri: str, name: str, found, tokenizer_dir: str | Path
+) -> tuple[LlamaForCausalLM, Exported]:
+    """A Llama-family version trained by raylane (`found`, its registry entry), as export reads
+    it, without writing its weights anywhere: the model (its weights checked against the run's
+    digest) and, in the empty directory `tokenizer_dir`, the tokenizer files export writes
+    beside them (its `model.pretrained` checkpoint's, then the run's logged tokenizer).
+
+    Raises:
+        CheckpointError: as `export_model`.
+    """
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=tracking_uri)
+    named = f"models:/{name}/{found.version}"
+    model_cfg = _trained_model_config(client, found.run_id, named)
+    model = _checked_trained_llama(client, tracking_uri, found, model_cfg, named)
+    directory = Path(tokenizer_dir)
+    source = _tokenizer_source(model_cfg)
+    for file in TOKENIZER_FILES if source is not None else ():
+        if (source / file).is_file():
+            shutil.copyfile(source / file, directory / file)
+    _copy_run_tokenizer(client, found.run_id, directory)
+    return model, Exported(directory, name, int(found.version), "llama")
+
+
+def _checked_trained_llama(client, tracking_uri: str, found, model_cfg, named: str):
+    """The run's Llama with the registered weights, refused unless they are the run's final
+    weights (`raylane.weights_digest`)."""
+    model = trained_llama(model_cfg, registered_state(tracking_uri, found.name, int(found.version)))
     recorded = client.get_run(found.run_id).data.tags.get("raylane.weights_digest")
     if recorded and weights_digest(model.state_dict()) != recorded:
         raise CheckpointError(
             f"{named}: the logged model's weights are not the run's final weights "
             f"(raylane.weights_digest {recorded[:12]})"
         )
+    return model
+
+
+def _tokenizer_source(model_cfg: ModelConfig) -> Path | None:
+    """The `model.pretrained` directory whose tokenizer files a trained Llama keeps, if here."""
     pretrained = model_cfg.pretrained
-    source = pretrained if pretrained is not None and Path(pretrained).is_dir() else None
-    save_pretrained(model, directory, source=source)
-    _copy_run_tokenizer(client, found.run_id, directory)
-    return Exported(directory, ref.name, version, "llama")
+    return Path(pretrained) if pretrained is not None and Path(pretrained).is_dir() else None
 
 
 def trained_llama(model_cfg: ModelConfig, state: dict) -> LlamaForCausalLM:

@@ -6,12 +6,13 @@ A byte-level `GPT` (`model.kind: gpt`): the registry holds it as a torch.export 
 The run's resolved config rebuilds the `GPT`, the program's weights are loaded into it by name,
 and its text is bytes.
 
-A Llama-family model (an imported Hugging Face checkpoint, or `model.kind: llama` trained by
-raylane) is written as a Hugging Face directory the way `raylane export` writes it
-(`raylane.tracking.checkpoints_hf.export_model`: an import's own files, or a trained run's
-weights with its `model.pretrained` tokenizer files and its logged `data/tokenizer.json`), then
-read back as a `LlamaForCausalLM` with that directory's tokenizer. A trained Llama whose run
-logged no tokenizer was trained on bytes: its text is bytes.
+A Llama-family model: an imported Hugging Face checkpoint is read from its own files
+(downloaded as `raylane export` gets them) straight into the dtype and onto the device it is
+served in, no fp32 copy first; a `model.kind: llama` trained by raylane is rebuilt from its
+run's config holding the registered weights (checked against the run's digest, as export
+checks them), without writing them anywhere, and its text read by the tokenizer files export
+would put beside them (`raylane.tracking.checkpoints_hf.read_trained_llama`). A trained Llama
+whose run logged no tokenizer was trained on bytes: its text is bytes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from mlflow.tracking import MlflowClient
 
 from raylane.config.finetune import FinetuneConfig
@@ -30,7 +32,13 @@ from raylane.models.hf_checkpoint import load_pretrained
 from raylane.serving.generation.model_shape import context_length, vocabulary
 from raylane.serving.generation.text_codec import BYTES, TextCodec
 from raylane.serving.generation.tokenizer_codec import load_codec
-from raylane.tracking.checkpoints_hf import HF_KIND, KIND_TAG, Exported, export_model
+from raylane.tracking.checkpoints_hf import (
+    HF_KIND,
+    KIND_TAG,
+    Exported,
+    export_model,
+    read_trained_llama,
+)
 from raylane.tracking.lineage import adapter_of, recorded_model_config, registered_state
 from raylane.tracking.registry import resolve_version
 
@@ -76,11 +84,15 @@ def load_language_model(
     alias: str = "",
     *,
     merge: bool = True,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
 ):
     """`(model in eval mode, LanguageModelCard)` for registry `version` (or, when it is None,
     the version holding `alias`): a `GPT` or a `LlamaForCausalLM`, the card holding its codec.
     A LoRA adapter's version is its base with the adapter loaded, folded into the weights
-    unless `merge` is off.
+    unless `merge` is off. An imported checkpoint is read in `dtype` onto `device`, a trained
+    whole model moved there; an adapter's base is loaded in fp32 (the adapter is folded into
+    fp32 weights) for the caller to place.
 
     Raises:
         ModelNotFoundError: no such version or alias, or an adapter's base version is gone
@@ -92,7 +104,7 @@ def load_language_model(
     found = resolve_version(client, tracking_uri, registered_model, alias, version)
     adapter = adapter_of(client, found)
     if adapter is None:
-        model, codec = _whole_model(client, tracking_uri, registered_model, found)
+        model, codec = _whole_model(client, tracking_uri, registered_model, found, dtype, device)
     else:
         model, codec = _adapted_model(tracking_uri, *adapter, merge=merge)
     card = _card(registered_model, int(found.version), found.run_id, model, codec)
@@ -100,8 +112,9 @@ def load_language_model(
 
 
 def load_generation_model(
-    tracking_uri: str, registered_model: str, version: int, *, merge: bool = True
-) -> GenerationModel:
+    tracking_uri: str, registered_model: str, version: int, *, merge: bool = True,
+    dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+) -> GenerationModel:  # fmt: skip
     """Registry `version` as a replica serves it. A whole model is also the base of adapters
     requested per request; an adapter version is folded into its base (`merge`), or kept
     separate so that other adapters of the same base can be served beside it.
@@ -113,7 +126,9 @@ def load_generation_model(
     found = client.get_model_version(registered_model, str(version))
     adapter = adapter_of(client, found)
     if adapter is None:
-        model, card = load_language_model(tracking_uri, registered_model, version)
+        model, card = load_language_model(
+            tracking_uri, registered_model, version, dtype=dtype, device=device
+        )
         return GenerationModel(model, card, (registered_model, int(version)))
     meta, state = adapter  # downloaded once, whether merged or kept separate
     base = (meta["base_model"], int(meta["base_version"]))
@@ -162,11 +177,11 @@ def _served_adapter(key: str, meta: dict, state: dict) -> ServedAdapter:
     return ServedAdapter(key, state, settings.alpha / settings.rank)
 
 
-def _whole_model(client, tracking_uri: str, name: str, found):
+def _whole_model(client, tracking_uri: str, name: str, found, dtype, device):
     """`(model, codec)` of a whole registered version: a GPT, or a Llama-family model."""
     version = int(found.version)
     if (found.tags or {}).get(KIND_TAG) == HF_KIND:
-        return _llama_model(tracking_uri, name, version)
+        return _imported_model(tracking_uri, name, version, dtype, device)
     model_cfg = recorded_model_config(client, found.run_id)
     if model_cfg.kind not in LANGUAGE_KINDS:
         raise ValueError(
@@ -174,18 +189,21 @@ def _whole_model(client, tracking_uri: str, name: str, found):
             f"model ({' or '.join(repr(kind) for kind in LANGUAGE_KINDS)})"
         )
     if model_cfg.kind == "llama":
-        return _llama_model(tracking_uri, name, version)
+        with tempfile.TemporaryDirectory(prefix="raylane-generate-") as scratch:
+            model, tokenizer = read_trained_llama(tracking_uri, name, found, scratch)
+            codec = _exported_codec(tokenizer, vocabulary(model))
+        return model.to(device=device, dtype=dtype), codec
     model = build_model(model_cfg)
     model.load_state_dict(registered_state(tracking_uri, name, version))
-    return model, BYTES
+    return model.to(device=device, dtype=dtype), BYTES
 
 
-def _llama_model(tracking_uri: str, name: str, version: int):
-    """`(LlamaForCausalLM, codec)` of an imported or trained Llama-family version, read from
-    the Hugging Face directory `raylane export` writes for it."""
+def _imported_model(tracking_uri: str, name: str, version: int, dtype, device):
+    """`(LlamaForCausalLM, codec)` of an imported checkpoint: its own files (downloaded), its
+    weights read in `dtype` onto `device`."""
     with tempfile.TemporaryDirectory(prefix="raylane-generate-") as scratch:
         exported = export_model(f"models:/{name}/{version}", Path(scratch) / "hf", tracking_uri)
-        model = load_pretrained(exported.directory)
+        model = load_pretrained(exported.directory, dtype, device)
         codec = _exported_codec(exported, vocabulary(model))
     return model, codec
 
