@@ -79,19 +79,28 @@ def test_a_resumed_driver_logs_only_what_its_predecessor_had_not(tmp_path):
     uri, client, run_id = _run(tmp_path)
     path = tmp_path / "journal.jsonl"
     journal = Journal(path)
+    progress = {"epoch": 0, "step": 4, "steps": 8, "samples_per_s": 10.0,
+                "data_wait_share": 0.0, "step_s": 1.0}  # fmt: skip
+    journal.log_progress(progress)
     journal.log_epoch({"val_loss": 2.0}, 0, False, {})
-    first = RunRecorder(path, uri, run_id, 3, 60.0, 0.0, emit=lambda line: None)
+    shown: list[str] = []
+    first = RunRecorder(path, uri, run_id, 3, 60.0, 0.0, emit=shown.append)
+    journal.log_progress({**progress, "epoch": 1})
     first.poll()  # the first driver logged epoch 0, then was killed
+    inside = [line.split("  ")[1] for line in shown if line.startswith("  ")]
+    assert inside == ["epoch 1, step 4/8", "epoch 2, step 4/8"]
     journal.log_epoch({"val_loss": 1.8}, 1, False, {})  # ended while no driver ran
     lines: list[str] = []
     resumed = RunRecorder(path, uri, run_id, 3, 60.0, 0.0, resumed=True, emit=lines.append)
-    resumed.poll()
+    resumed.poll()  # the earlier driver's progress lines are not shown again
+    journal.log_progress({**progress, "epoch": 2})
     journal.log_epoch({"val_loss": 1.6}, 2, False, {})
     resumed.__exit__()  # the fit ended: what the journal holds now
     resumed.close()
     history = client.get_metric_history(run_id, "val_loss")
     assert [(m.step, m.value) for m in history] == [(0, 2.0), (1, 1.8), (2, 1.6)]
-    assert [line.split("  ")[0] for line in lines] == ["epoch 2/3", "epoch 3/3"]
+    assert [line.split("  ")[0] for line in lines] == ["epoch 2/3", "", "epoch 3/3"]
+    assert lines[1].startswith("  epoch 3, step 4/8  10 samples/s")
 
 
 def test_an_outage_past_its_window_is_the_recorders_error_off_the_main_thread(tmp_path):

@@ -60,6 +60,13 @@ class TrainingConfig(StrictModel):
         "holding them (gpt, llama, a custom model's blocks): less memory, more compute, the "
         "same gradients. A LoRA fine-tune turns it on unless the config sets it.",
     )
+    progress_every_s: float = Field(
+        10.0,
+        ge=0,
+        description="Inside an epoch, one console line every this many seconds: the step, "
+        "samples per second, the share of time waiting for data and what is left of the "
+        "epoch. 0: a line per finished epoch only.",
+    )
     loss_chunk_mb: float = Field(
         64.0,
         ge=0,

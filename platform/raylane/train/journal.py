@@ -46,6 +46,10 @@ class Journal:
     def log(self, metrics: dict[str, float], step: int) -> None:
         self._append({"kind": "metrics", "metrics": metrics, "step": step})
 
+    def log_progress(self, progress: dict[str, Any]) -> None:
+        """Where an epoch stands (`raylane.train.progress.ProgressTicker`)."""
+        self._append({"kind": "progress", **progress})
+
     def log_tables(self, tables: dict[str, dict]) -> None:
         self._append({"kind": "tables", "tables": tables})
 

@@ -43,6 +43,7 @@ from raylane.train.elastic import at_world_size
 from raylane.train.errors import CODE_MISMATCH
 from raylane.train.journal import Journal
 from raylane.train.phases import WorkerMarks
+from raylane.train.progress import ProgressTicker
 from raylane.train.step_checkpoints import StepCheckpoints, epoch_start, restore_point
 from raylane.train.straggler import Straggler
 from raylane.train.worker_spec import WorkerSpec
@@ -108,11 +109,13 @@ def _my_batches(strategy, shard, cfg: RaylaneConfig, shuffle_seed: int | None, w
         yield strategy.local_batch(inputs[first : first + rows], targets[first : first + rows])
 
 
-def _train_epoch(strategy, model, loss_fn, optimizer, shard, cfg, epoch, rank, marks, start, saver):
+def _train_epoch(
+    strategy, model, loss_fn, optimizer, shard, cfg, epoch, rank, marks, start, saver, ticker
+):
     """One epoch of training on `loss_fn`: mean loss, rows the group trained on in this run, the
     group's step-time split (`raylane.tracking.step_times`) and this worker's epoch time.
     `start`: where a step checkpoint left it (`step_checkpoints.epoch_start`); `saver` writes
-    the step checkpoints."""
+    the step checkpoints; `ticker` journals the epoch's progress (silent but on rank 0)."""
     model.train()
     skip, loss_sum, rows = start
     carried = rows  # rows a step checkpoint counted before this run (rank 0 holds them)
@@ -129,6 +132,7 @@ def _train_epoch(strategy, model, loss_fn, optimizer, shard, cfg, epoch, rank, m
         activations = ActivationMeter()
     activations.reset()
     marks.mark("data_start")
+    ticker.start(epoch, _steps_in_epoch(strategy, shard, cfg))
     start = step_start = time.perf_counter()
     for step, (inputs, targets) in enumerate(batches):
         marks.mark("first_batch")
@@ -156,6 +160,7 @@ def _train_epoch(strategy, model, loss_fn, optimizer, shard, cfg, epoch, rank, m
         if straggler.waited_s:
             parts["straggler"] = straggler.waited_s
         times.add(now - step_start, data_wait, parts)
+        ticker.step_done(step, data_wait)
         saver.step_done()
         marks.mark("first_step")
         step_start = now
@@ -164,6 +169,17 @@ def _train_epoch(strategy, model, loss_fn, optimizer, shard, cfg, epoch, rank, m
     strategy.steps_done()  # before the collectives of the totals
     totals = _epoch_totals(strategy, model, optimizer, activations, loss_sum, rows, carried, times)
     return *totals, elapsed
+
+
+def _steps_in_epoch(strategy, shard, cfg: RaylaneConfig) -> int | None:
+    """Optimizer steps in an epoch where that is known ahead: `training.steps_per_epoch`, or
+    the memory feed's rows over the global batch (a Ray Data shard's rows are not counted)."""
+    steps = cfg.training.steps_per_epoch
+    if isinstance(shard, MemorySplit):
+        rows = cfg.training.batch_size * strategy.data_world
+        whole = shard.rows // rows if not strategy.splits_dataset else -(-shard.rows // rows)
+        steps = whole if steps is None else min(steps, whole)
+    return steps
 
 
 def _epoch_totals(strategy, model, optimizer, activations, loss_sum, rows, carried, times):
@@ -346,10 +362,13 @@ def _train_epochs(
     if cfg.finetune is not None and start == Position(0):
         _log_base_loss(strategy, model, validation_shard, cfg, journal)
     saver = StepCheckpoints(cfg, strategy, model, optimizer, start, spec, journal)
+    every_s = cfg.training.progress_every_s if journal is not None else 0.0  # rank 0 says it
+    emit = journal.log_progress if journal is not None else None
+    ticker = ProgressTicker(every_s, emit, cfg.training.batch_size * strategy.data_world)
     for epoch in range(start.epoch, cfg.training.epochs):
         train_loss, rows, split, elapsed = _train_epoch(
             strategy, model, loss_fn, optimizer, train_shard, cfg, epoch, rank, marks,
-            epoch_start(start, epoch), saver,
+            epoch_start(start, epoch), saver, ticker,
         )  # fmt: skip
         stats = strategy.epoch_stats()
         val_loss, val_accuracy = _evaluate(strategy, model, validation_shard, cfg)

@@ -26,7 +26,7 @@ from raylane.tracking.runs import EpochLogger, TrackingOutageError
 from raylane.tracking.step_plot import STEP_SPLIT_ARTIFACT, step_split_png
 from raylane.tracking.system_metrics import node_label, node_monitor
 from raylane.train.journal import read_records
-from raylane.train.progress import format_epoch
+from raylane.train.progress import format_epoch, format_progress
 
 log = logging.getLogger("raylane")
 
@@ -72,6 +72,7 @@ class RunRecorder:
         self._drawing: ray.ObjectRef | None = None  # the figure's task, while it runs
         self._first: tuple[int, float] | None = None  # (first epoch shown, its record time)
         self._started = time.monotonic()
+        self._opened_at = time.time()  # the journal's clock: records before it are replayed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="raylane-recorder", daemon=True)
         self.error: Exception | None = None  # the outage that stopped the fit
@@ -79,7 +80,7 @@ class RunRecorder:
         self._interrupts = False  # whether an outage may stop the fit with SIGINT
 
     def __enter__(self) -> RunRecorder:
-        self._started = time.monotonic()
+        self._started, self._opened_at = time.monotonic(), time.time()
         # Ray Train aborts a fit on SIGINT where the fit runs on the main thread; elsewhere
         # (a library caller's thread) the outage ends the job when the fit returns.
         self._interrupts = threading.current_thread() is threading.main_thread()
@@ -191,6 +192,10 @@ class RunRecorder:
             self._logger.log(record["metrics"], step=record["step"], at=record["time"])
         elif kind == "tables":
             self._logger.log_tables(record["tables"])
+        elif kind == "progress":
+            # A resumed run's journal replays an earlier driver's lines: not shown again.
+            if not self._resumed or record["time"] >= self._opened_at:
+                self._emit(format_progress(record))
         elif kind == "epoch":
             epoch, metrics = record["epoch"], record["metrics"]
             if self._resumed and self._logger.holds(epoch):
