@@ -314,7 +314,9 @@ def _ring_comm_s(
         if cp * layout.tp <= spec.devices_per_node
         else (device.inter_node_gbps)
     )
-    block = kv_block_bytes(micro_rows, s / cp, work.shape.kv_width / layout.tp)
+    # raylane's ring sends a grouped-query model's keys and values repeated to every query
+    # head (`raylane.parallel.parallelize.apply_context_parallel`): the query heads' width.
+    block = kv_block_bytes(micro_rows, s / cp, work.shape.q_width / layout.tp)
     transfer = block / (link * 1e9) + spec.link_latency_us * 1e-6
     # Megatron's attention core, 4·b·s²·h per layer forward (h: the query heads' width):
     # 1/(cp·tp) per worker, in cp steps.

@@ -347,7 +347,8 @@ def _ring_s(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
     if shape.cp == 1 or shape.wrapped is not None:  # a wrapped block's time holds its ring
         return 0.0
     model = shape_of(cfg.model)
-    block_bytes = kv_block_bytes(shape.rows, shape.tokens, model.kv_width / shape.tp)
+    # The ring sends keys and values repeated to every query head (as `raylane.plan.cost`).
+    block_bytes = kv_block_bytes(shape.rows, shape.tokens, model.q_width / shape.tp)
     transfer = _link(profile.get("p2p"), block_bytes)
     block = _fit(shape.level["block"], shape.rows / (shape.tp * shape.cp))  # forward + backward
     step_compute = attention_core_share(model.context_length, model.q_width) * block / 3 / shape.cp
