@@ -15,6 +15,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from raylane.config import ModelConfig
 from raylane.config.layout import stage_boundaries
 from raylane.models.families import FAMILIES, family, family_for_model_type, shape_of
+from raylane.models.gpt import GPT
 from raylane.models.llama import LlamaConfig, LlamaForCausalLM
 from raylane.models.llama_plan import block_plan
 from raylane.models.shape import DecoderShape
@@ -153,10 +154,7 @@ def test_the_planner_reads_every_language_family_from_its_config():
                       n_layers=2)  # fmt: skip
     llama = ModelConfig(kind="llama", num_classes=512, input_dim=CONTEXT, d_model=96,
                         n_heads=6, n_kv_heads=2, ffn_dim=256, n_layers=2)  # fmt: skip
-    assert shape_of(gpt).total() == sum(
-        p.numel() for p in __import__("raylane.models.gpt").models.gpt.GPT(256, 128, 64, 4, 2)
-        .parameters()
-    )  # fmt: skip
+    assert shape_of(gpt).total() == sum(p.numel() for p in GPT(256, 128, 64, 4, 2).parameters())
     assert shape_of(llama) == _shape(LLAMAS[0])
     assert set(FAMILIES) == {"gpt", "llama", "mlp", "cnn", "custom"}
 

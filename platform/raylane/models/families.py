@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from raylane.models.shape import DecoderShape
+from raylane.models.shape import HF_ATTENTION, DecoderShape
 
 if TYPE_CHECKING:
     from raylane.config import ModelConfig
@@ -75,7 +75,7 @@ FAMILIES: dict[str, Family] = {
             "llama",
             "Llama-family decoders: Llama 2/3, Mistral (no sliding window), Qwen2, Qwen3",
             _llama_shape,
-            model_types=("llama", "mistral", "qwen2", "qwen3"),
+            model_types=tuple(HF_ATTENTION),  # every checkpoint type the shape reads
         ),  # fmt: skip
         Family("mlp", "fully connected classifier", unplanned=_CLASSIFIER.format(kind="mlp")),
         Family("cnn", "convolutional classifier", unplanned=_CLASSIFIER.format(kind="cnn")),

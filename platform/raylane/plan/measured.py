@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from raylane.config import RaylaneConfig
 from raylane.config.dims import ParallelDims
 from raylane.models.families import shape_of
+from raylane.models.shape import DecoderShape
 from raylane.plan.ring import attention_core_share, exposed_ring_s, kv_block_bytes, ring_passes
 from raylane.plan.wrapped import wrap_name
 
@@ -150,10 +151,10 @@ def _compression_ratio(cfg: RaylaneConfig) -> float:
 def predict_config(profile: dict, cfg: RaylaneConfig) -> LocalPrediction:
     """Predicted step time, samples/s and peak worker memory of `cfg` on the profiled cluster."""
     try:
-        shape_of(cfg.model)
+        decoder = shape_of(cfg.model)  # a pretrained model's config.json, read once
     except ValueError as error:
         raise ProfileMismatch(str(error)) from None
-    shape = _Shape.of(profile, cfg)
+    shape = _Shape.of(profile, cfg, decoder)
     parts = _compute_parts(profile, cfg, shape)
     parts["comm"] += _sync_comm(profile, cfg, shape)
     parts["ring"] = _ring_s(profile, cfg, shape)
@@ -174,6 +175,7 @@ class _Shape:
     blocks per stage, parameters held, and the profile's figures at its worker count."""
 
     level: dict
+    model: DecoderShape  # the family's widths
     pp: int
     tp: int
     dp: int
@@ -192,8 +194,8 @@ class _Shape:
     wrapped: dict | None = None
 
     @classmethod
-    def of(cls, profile: dict, cfg: RaylaneConfig) -> _Shape:
-        model, par = shape_of(cfg.model), cfg.parallelism
+    def of(cls, profile: dict, cfg: RaylaneConfig, model: DecoderShape) -> _Shape:
+        par = cfg.parallelism
         dims = par.dims
         pp, tp, dp = dims.pp, dims.tp, dims.dp
         micro = par.microbatches if dims.pp_enabled else 1
@@ -207,7 +209,7 @@ class _Shape:
         tokens = model.context_length / dims.cp
         level = _level(profile, par.workers)
         return cls(
-            level=level, pp=pp, tp=tp, dp=dp, cp=dims.cp,
+            level=level, model=model, pp=pp, tp=tp, dp=dp, cp=dims.cp,
             sequence_parallel=dims.sequence_parallel, pipelined=dims.pp_enabled, micro=micro,
             rows=rows, tokens=tokens, stage_layers=model.n_layers / pp, params_held=params_held,
             block_params_held=block_held,
@@ -259,7 +261,7 @@ def _compute_parts(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> dict[str
             shape.stage_layers * per_block * _link(level.get("all_reduce"), shape.activation_bytes)
         )
     if not shape.pipelined:
-        blocks = shape_of(cfg.model).n_layers * block_s(rows)
+        blocks = shape.model.n_layers * block_s(rows)
         compute = blocks + _fit(level["ends"], rows / shape.cp) + optimizer + tp_comm
         return {"compute": compute, "bubble": 0.0, "comm": 0.0}
     pp, micro = shape.pp, shape.micro
@@ -309,7 +311,7 @@ def _optimizer_s(level: dict, shape: _Shape) -> float:
 def _sync_comm(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
     """The exposed time of synchronising replicas, as the strategy does it."""
     par, level, dp = cfg.parallelism, shape.level, shape.dp
-    layers = shape_of(cfg.model).n_layers
+    layers = shape.model.n_layers
     block_params, ends_params = profile["block_params"], profile["ends_params"]
     grad_bytes = _FP32 * ((layers / shape.pp) * block_params / shape.tp + ends_params)
     # A sequence's cp workers average their gradients with the replicas'.
@@ -346,7 +348,7 @@ def _ring_s(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float:
     attention compute (the core's share of the block's forward, 1/cp of it per step)."""
     if shape.cp == 1 or shape.wrapped is not None:  # a wrapped block's time holds its ring
         return 0.0
-    model = shape_of(cfg.model)
+    model = shape.model
     # The ring sends keys and values repeated to every query head (as `raylane.plan.cost`).
     block_bytes = kv_block_bytes(shape.rows, shape.tokens, model.q_width / shape.tp)
     transfer = _link(profile.get("p2p"), block_bytes)
@@ -393,6 +395,6 @@ def _activation_bytes(profile: dict, cfg: RaylaneConfig, shape: _Shape) -> float
     if shape.sequence_parallel:  # on 1/tp of the tokens: the two LayerNorms' fp32 inputs
         # and the inputs q, k, v and the MLP's first linear keep (bf16 under autocast)
         linear_input = 2 if bf16 else _FP32
-        per_token = shape_of(cfg.model).d_model * (2 * _FP32 + 4 * linear_input)
+        per_token = shape.model.d_model * (2 * _FP32 + 4 * linear_input)
         per_layer -= shape.tokens * per_token * (1 - 1 / shape.tp)
     return (per_layer * shape.stage_layers * shape.rows + ends_activations) * in_flight
