@@ -118,3 +118,45 @@ def test_an_outage_past_its_window_is_the_recorders_error_off_the_main_thread(tm
     caller.join()
     assert isinstance(recorder.error, TrackingOutageError), recorder.error
     assert OUTAGE in str(recorder.error)
+
+
+def test_a_figure_in_flight_is_never_interrupted_by_a_later_epoch(tmp_path, monkeypatch):
+    """A Ray task interrupted inside matplotlib's import leaves its worker unable to import it
+    again: a later epoch's figure waits for the one in flight instead of cancelling it."""
+    from raylane.train import recorder as module
+
+    uri, _, run_id = _run(tmp_path)
+    path = tmp_path / "journal.jsonl"
+    journal = Journal(path)
+    started: list[list[dict]] = []
+    finished: set[int] = set()
+
+    class Task:
+        def remote(self, history):
+            started.append(history)
+            return len(started)
+
+    def cancel(*_, **__):
+        raise AssertionError("a drawing task was cancelled")
+
+    monkeypatch.setattr(module, "_draw_remote", Task())
+    monkeypatch.setattr(module.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(module.ray, "cancel", cancel)
+    monkeypatch.setattr(
+        module.ray, "wait", lambda refs, timeout: ([r for r in refs if r in finished], [])
+    )
+    monkeypatch.setattr(module.ray, "get", lambda ref: b"png")
+    recorder = RunRecorder(path, uri, run_id, 3, 60.0, 0.0, emit=lambda line: None)
+    for epoch in range(2):
+        journal.log_epoch(
+            {"val_loss": 1.0, "train_loss": 1.0, "epoch": epoch, "step_ms": 1.0}, epoch, False, {}
+        )
+        recorder.poll()
+    assert [len(h) for h in started] == [1]  # epoch 1's figure waits for epoch 0's task
+    finished.add(1)
+    recorder.poll()
+    assert [len(h) for h in started] == [1, 2]
+    finished.add(2)
+    recorder.draw()
+    assert [len(h) for h in started] == [1, 2]
+    recorder.close()

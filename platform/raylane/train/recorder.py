@@ -128,15 +128,17 @@ class RunRecorder:
                 outage = past_window
             except Exception as exc:  # noqa: BLE001
                 log.warning("run record %s not logged: %s", record.get("kind"), exc)
-        if self._figure_due and not self._stop.is_set() and outage is None:
-            self._draw_figure()
         self._log_figure(wait_s=0)
+        idle = self._drawing is None and not self._stop.is_set()
+        if self._figure_due and idle and outage is None:
+            self._draw_figure()
         if outage is not None:
             raise outage
 
     def draw(self) -> None:
         """After the fit: the step split figure of the last epochs, waited for."""
         if self._figure_due:
+            self._log_figure(wait_s=DRAW_TIMEOUT_S)  # the one in flight, for fewer epochs
             self._draw_figure()
         self._log_figure(wait_s=DRAW_TIMEOUT_S)
 
@@ -146,16 +148,15 @@ class RunRecorder:
         self._logger.close()
 
     def _draw_figure(self) -> None:
-        """Start drawing the figure of the epochs so far, in a Ray task (one still running
-        for fewer epochs is cancelled); without Ray, draw and log it here."""
+        """Start drawing the figure of the epochs so far, in a Ray task (called when none is
+        in flight: a task interrupted inside matplotlib's import leaves its worker unable to
+        import it again); without Ray, draw and log it here."""
         self._figure_due = False
         if not self._history:
             return
         if not ray.is_initialized():
             self._log_drawn(lambda: step_split_png(self._history))
             return
-        if self._drawing is not None:
-            ray.cancel(self._drawing)
         self._drawing = _draw_remote.remote(list(self._history))
 
     def _log_figure(self, wait_s: float) -> None:
