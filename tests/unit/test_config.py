@@ -247,7 +247,8 @@ LM_FSDP = ROOT / "configs" / "train" / "lm_fsdp.yaml"
         (LM_TP, ["parallelism.strategy=ddp"], "parallelism.tp 2 needs strategy 'tp', 'fsdp', "
          "'pipeline' or 'hybrid' (got 'ddp')"),
         (LM_FSDP, ["parallelism.tp=2", "model.kind=mlp", "data.source=sklearn-digits",
-                   "model.num_classes=10"], "model.kind must be 'gpt', not 'mlp'"),
+                   "model.num_classes=10"],
+         "model.kind must be 'gpt' or 'llama' (or 'custom' with a tp_plan), not 'mlp'"),
     ],
 )  # fmt: skip
 def test_impossible_sharded_layouts_are_refused_with_a_sentence(config, overrides, expected):

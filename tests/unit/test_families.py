@@ -4,6 +4,8 @@ real modules: raylane's own Llama, and `transformers`' for published checkpoints
 from __future__ import annotations
 
 import copy
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
+import raylane
 from raylane.config import ModelConfig
 from raylane.config.layout import stage_boundaries
 from raylane.models.families import FAMILIES, family, family_for_model_type, shape_of
@@ -208,3 +211,36 @@ def test_a_resolved_config_with_every_field_listed_validates_again():
     """A run's logged config lists every field at its value, defaults included."""
     for model in (ModelConfig(kind="gpt", d_model=32), ModelConfig(kind="mlp")):
         assert ModelConfig.model_validate(model.model_dump()) == model
+
+
+def test_the_trait_table_and_the_registry_name_the_same_families():
+    """The config's traits (torch-free) and the models' registry are one list of families."""
+    from typing import get_args
+
+    from raylane.config.families import TRAITS
+
+    assert set(TRAITS) == set(FAMILIES)
+    assert list(get_args(ModelConfig.model_fields["kind"].annotation)) == list(TRAITS)
+
+
+#: A comparison of a model kind (or a checkpoint's model_type) with a family's name.
+_NAMES = "gpt|llama|mlp|cnn|custom|qwen2|qwen3|mistral"
+_KIND_BRANCH = re.compile(
+    rf"""(kind|model_type)\s*(==|!=|\bin\b|\bnot in\b)\s*\(?\s*["']({_NAMES})["']"""
+    r"""|isinstance\([^)]*(GPT|LlamaForCausalLM)\b"""
+)
+
+
+def test_nothing_outside_the_families_branches_on_one():
+    """The trainer, data, tracking, serving and the config ask a family's traits or its module
+    (`raylane.config.families`, the decoding interface): no code outside `raylane/models/`
+    compares a kind with a family's name."""
+    package = Path(raylane.__file__).parent
+    found = [
+        f"{path.relative_to(package)}:{number}: {line.strip()}"
+        for path in sorted(package.rglob("*.py"))
+        if "models" not in path.relative_to(package).parts[:1]
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if _KIND_BRANCH.search(line)
+    ]
+    assert found == []

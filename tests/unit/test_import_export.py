@@ -293,7 +293,8 @@ def test_the_one_line_errors(tmp_path, store):
         _invoke("export", "models:/raylane-digits/1", str(tmp_path / "o"), "--tracking-uri", store)
     )
     assert (
-        message == "models:/raylane-digits/1 is an mlp; raylane export writes Llama-family models"
+        message == "models:/raylane-digits/1 is a model.kind 'mlp' model; raylane export writes "
+        "model.kind 'llama' (Hugging Face checkpoints)"
     )  # noqa: E501
 
     # A version registered by hand, from a run with no recorded config.

@@ -11,6 +11,7 @@ import yaml
 
 from raylane.cli.common import DEFAULT_CONFIG, ConfigOption, SetOption, console, fail, load
 from raylane.config import ConfigError, RaylaneConfig, load_config
+from raylane.config.families import traits
 from raylane.config.loader import config_to_yaml
 from raylane.plan.hardware import ClusterSpec, HardwareError, catalog_cluster
 from raylane.tune.spec import is_search_spec, load_spec
@@ -40,7 +41,7 @@ def validate(config: ConfigOption = DEFAULT_CONFIG, overrides: SetOption = None)
         else:
             cfg = load(config, overrides)
             _check_data_paths(config, cfg)
-            if cfg.model.kind == "custom":
+            if traits(cfg.model.kind).factory:
                 # lazy: building the user's module imports torch, which other configs skip
                 from raylane.models.custom import check_custom_model
 

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from raylane.config.families import kinds_where, traits
+from raylane.config.families import named as named_kinds
 from raylane.config.presets import PRESETS, listed, names
+
+#: The kinds raylane's own tensor-parallel, stage and context-parallel plans split.
+PLANNED = named_kinds(kinds_where("plans"))
 
 if TYPE_CHECKING:
     from raylane.config.parallelism import ParallelismConfig
@@ -93,7 +98,7 @@ def describe_stages(cfg: LayoutConfig) -> list[str]:
 def _describe_sharded(cfg: LayoutConfig) -> str:
     par, dp = cfg.parallelism, replicas(cfg)
     parts = []
-    if par.tp > 1 and cfg.model.kind == "custom":
+    if par.tp > 1 and traits(cfg.model.kind).factory:
         parts.append(f"each block split over {par.tp} workers by the model's tp_plan")
     elif par.tp > 1:
         parts.append(
@@ -153,10 +158,10 @@ def _check_preset(par: ParallelismConfig) -> None:
 def _check_unpipelined(cfg: LayoutConfig) -> None:
     """Without stages: the workers split into whole groups of tp * cp, `dp` of them."""
     par = cfg.parallelism
-    if par.tp > 1 and cfg.model.kind not in ("gpt", "llama", "custom"):
+    if par.tp > 1 and not traits(cfg.model.kind).tensor_parallel:
         raise ValueError(
-            f"parallelism.tp {par.tp} splits transformer blocks; model.kind must be 'gpt', not "
-            f"'{cfg.model.kind}' (or 'llama', or 'custom' with a tp_plan)"
+            f"parallelism.tp {par.tp} splits transformer blocks; model.kind must be "
+            f"{PLANNED} (or 'custom' with a tp_plan), not '{cfg.model.kind}'"
         )
     factors = {"dp": par.dp, "tp": par.tp, "cp": par.cp}
     split = [k for k in ("tp", "cp") if factors[k] > 1]
@@ -240,10 +245,10 @@ def _check_compression(par: ParallelismConfig) -> None:
 
 def _check_options(cfg: LayoutConfig) -> None:
     par = cfg.parallelism
-    if cfg.training.activation_checkpointing and cfg.model.kind not in ("gpt", "llama", "custom"):
+    if cfg.training.activation_checkpointing and not traits(cfg.model.kind).blocks:
         raise ValueError(
             "training.activation_checkpointing recomputes transformer blocks; model.kind must "
-            f"be 'gpt' or 'llama' (or 'custom', by its blocks), not '{cfg.model.kind}'"
+            f"be {named_kinds(kinds_where('blocks'))}, not '{cfg.model.kind}'"
         )
     if par.grad_compression != "none":
         _check_compression(par)
@@ -263,10 +268,10 @@ def _check_options(cfg: LayoutConfig) -> None:
             "gloo on CPU cannot all-reduce bf16, use 'fp16' or 'powersgd'"
         )
     _straggler_below(par, par.workers, f"names no worker; ranks are 0-{par.workers - 1}")
-    if par.sequence_parallel and (par.tp == 1 or cfg.model.kind not in ("gpt", "llama")):
+    if par.sequence_parallel and (par.tp == 1 or not traits(cfg.model.kind).plans):
         raise ValueError(
             "parallelism.sequence_parallel splits the sequence inside tensor-parallel "
-            "blocks; it needs model.kind 'gpt' or 'llama' and parallelism.tp > 1"
+            f"blocks; it needs model.kind {PLANNED} and parallelism.tp > 1"
         )
     if par.sequence_parallel and (cfg.model.input_dim // par.cp) % par.tp:
         raise ValueError(
@@ -280,7 +285,7 @@ def _check_options(cfg: LayoutConfig) -> None:
         )
     if par.cp > 1:
         _check_context(cfg)
-    if cfg.model.kind == "gpt" and cfg.model.n_heads % par.tp:
+    if traits(cfg.model.kind).declared_heads and cfg.model.n_heads % par.tp:
         raise ValueError(
             f"model.n_heads ({cfg.model.n_heads}) is not divisible by parallelism.tp "
             f"({par.tp}): each tensor-parallel worker holds whole attention heads"
@@ -313,17 +318,17 @@ def _check_context(cfg: LayoutConfig) -> None:
 def _split_plan(kind: str, what: str, plan: str) -> None:
     """A layout that splits a language model's blocks (`what`) over workers: one line for
     a custom model, which has no such `plan`, and for a classifier."""
-    if kind == "custom":
-        raise ValueError(f"{what}; a custom model (model.kind 'custom') has no {plan}")
-    if kind not in ("gpt", "llama"):
-        raise ValueError(f"{what}; model.kind must be 'gpt' or 'llama', not '{kind}'")
+    if traits(kind).factory:
+        raise ValueError(f"{what}; a custom model (model.kind '{kind}') has no {plan}")
+    if not traits(kind).plans:
+        raise ValueError(f"{what}; model.kind must be {PLANNED}, not '{kind}'")
 
 
 def _check_pipelined(cfg: LayoutConfig) -> None:
     par = cfg.parallelism
     stages = "cuts transformer blocks into pipeline stages"
     _split_plan(cfg.model.kind, f"parallelism.pp {par.pp} {stages}", "stage plan: set pp 1")
-    if cfg.model.kind == "llama" and cfg.model.llama_tied():
+    if cfg.model.llama_tied():
         raise ValueError(
             f"parallelism.pp {par.pp} puts the embedding on the first stage and the head on the "
             "last; a llama whose head is its embedding (tie_word_embeddings) cannot be split so"

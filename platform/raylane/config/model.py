@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from raylane.config.families import KIND_FIELDS, traits
 from raylane.config.strict import StrictModel
 
 DIGITS_FEATURES = 64
@@ -25,19 +26,6 @@ DIGITS_CLASSES = 10
 
 #: `package.module:function`: a dotted module path, a colon, the function's name.
 FACTORY_FORM = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
-#: The fields only a custom model reads.
-CUSTOM_FIELDS = ("factory", "args", "block_class")
-#: The fields each kind reads beyond `kind`, `input_dim` and `num_classes`: any other field
-#: given a value of its own is an error naming the kinds that read it.
-_LLAMA_ONLY = ("pretrained", "n_kv_heads", "ffn_dim", "rope_theta", "rms_norm_eps",
-               "tie_embeddings", "qkv_bias")  # fmt: skip
-KIND_FIELDS = {
-    "mlp": ("hidden_sizes", "input_scale"),
-    "cnn": ("hidden_sizes", "input_scale"),
-    "gpt": ("d_model", "n_heads", "n_layers"),
-    "llama": ("d_model", "n_heads", "n_layers", *_LLAMA_ONLY),
-    "custom": CUSTOM_FIELDS,
-}
 
 
 class ModelConfig(StrictModel):
@@ -133,13 +121,13 @@ class ModelConfig(StrictModel):
     def _check_shape(self) -> ModelConfig:
         if any(h < 1 for h in self.hidden_sizes):
             raise ValueError("every entry of hidden_sizes must be at least 1")
-        if self.kind in ("gpt", "llama") and self.d_model % self.n_heads:
+        if traits(self.kind).language and self.d_model % self.n_heads:
             raise ValueError(
                 f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})"
             )
-        if self.kind == "cnn" and math.isqrt(self.input_dim) ** 2 != self.input_dim:
+        if traits(self.kind).square_input and math.isqrt(self.input_dim) ** 2 != self.input_dim:
             raise ValueError(
-                f"kind 'cnn' needs a square image, but input_dim={self.input_dim} is not a "
+                f"kind '{self.kind}' needs a square image, but input_dim={self.input_dim} is not a "
                 "perfect square"
             )
         return self
@@ -160,7 +148,7 @@ class ModelConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check_llama(self) -> ModelConfig:
-        if self.kind != "llama":
+        if not traits(self.kind).grouped_query:
             return self
         if self.pretrained is not None:
             return self._check_pretrained(self.pretrained)
@@ -183,7 +171,7 @@ class ModelConfig(StrictModel):
         fields: `_check_fields_of_the_kind`). Calling the factory (a model on the meta device,
         what it returns) is the preflight's (`raylane.models.custom.check_custom_model`):
         that needs torch."""
-        if self.kind != "custom":
+        if not traits(self.kind).factory:
             return self
         if self.factory is None:
             raise ValueError("model.kind 'custom' needs model.factory: 'package.module:function'")
@@ -193,7 +181,7 @@ class ModelConfig(StrictModel):
     def factory_tags(self) -> dict[str, str]:
         """custom: the factory and the sha256 of its module's source file, as run tags (what
         built the weights, beside the run's `model.args` params); {} for the other kinds."""
-        if self.kind != "custom" or self.factory is None:
+        if not traits(self.kind).factory or self.factory is None:
             return {}
         module = sys.modules.get(self.factory.partition(":")[0])
         path = getattr(module, "__file__", None)
@@ -210,7 +198,7 @@ class ModelConfig(StrictModel):
         connect_ray`) when the factory comes from the working directory: its top-level
         package's directory, or its module's `.py` file. None otherwise (another kind, an
         installed package or anything outside the working directory, a compiled module)."""
-        if self.kind != "custom" or self.factory is None:
+        if not traits(self.kind).factory or self.factory is None:
             return None
         name = self.factory.partition(":")[0]
         if name not in sys.modules:

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from raylane.config.data import DataConfig, TokenizerTraining
+from raylane.config.families import kinds_where, named, traits
 from raylane.config.finetune import FinetuneConfig
 from raylane.config.layout import check_layout
 from raylane.config.model import DIGITS_CLASSES, DIGITS_FEATURES, ModelConfig
@@ -31,7 +32,7 @@ __all__ = [
 #: Failures an elastic run recovers from when `training.max_failures` is not set.
 ELASTIC_MAX_FAILURES = 3
 #: The model kinds that read token data, generate text and take adapters.
-LANGUAGE_MODELS = ("gpt", "llama")
+LANGUAGE_MODELS = kinds_where("language")
 #: The training field a LoRA fine-tune turns on unless the config sets it.
 LORA_RECOMPUTES = "activation_checkpointing"
 
@@ -206,24 +207,21 @@ class RaylaneConfig(StrictModel):
         into pipeline stages, each sequence split over context-parallel workers, or its
         tensor-parallel plan inside stages or context-parallel groups (not yet with sequence
         parallelism there, nor with sharded stages: not proven)."""
-        if self.model.kind != "llama":
+        kind = self.model.kind
+        if not traits(kind).lockstep_only:
             return self
         par, dims = self.parallelism, self.parallelism.dims
         if dims.sync.kind != "all_reduce":
             raise ValueError(
-                f"model.kind 'llama' trains with strategy 'ddp', 'fsdp', 'tp', 'pipeline' or "
+                f"model.kind '{kind}' trains with strategy 'ddp', 'fsdp', 'tp', 'pipeline' or "
                 f"'hybrid' (got '{par.strategy}')"
             )
         split = dims.tp_enabled and (dims.pp_enabled or dims.cp_enabled)
         if split and (par.sequence_parallel or dims.dp_shard > 1):
             raise ValueError(
-                f"model.kind 'llama' takes tp {par.tp} inside pipeline stages or context-"
+                f"model.kind '{kind}' takes tp {par.tp} inside pipeline stages or context-"
                 "parallel groups without sequence_parallel and without sharded stages (fsdp): "
                 "not proven yet"
-            )
-        if self.data.source == "sklearn-digits":
-            raise ValueError(
-                "model.kind 'llama' needs token data, not data.source 'sklearn-digits'"
             )
         if dims.tp_enabled:
             _check_llama_split(self.model, par.tp, par.sequence_parallel)
@@ -268,7 +266,7 @@ class RaylaneConfig(StrictModel):
             return self
         if self.data.tabular:
             tables = "data.files are tables (csv, parquet) of features and a class"
-            _require_kind(self.model.kind, ("mlp", "cnn"), tables)
+            _require_kind(self.model.kind, kinds_where("tabular"), tables)
             return self
         _require_kind(self.model.kind, LANGUAGE_MODELS, "data.source 'files' is token data")
         tokenizer = self.data.tokenizer
@@ -299,8 +297,11 @@ class RaylaneConfig(StrictModel):
         if self.serving.api == "generate":
             serves = "serving.api 'generate' serves a language model"
             _require_kind(self.model.kind, LANGUAGE_MODELS, serves)
-        if self.data.source == "sklearn-digits" and self.model.kind == "gpt":
-            raise ValueError("model.kind 'gpt' needs token data (data.source 'python-stdlib')")
+        if self.data.source == "sklearn-digits" and traits(self.model.kind).language:
+            raise ValueError(
+                f"model.kind '{self.model.kind}' needs token data, not data.source "
+                "'sklearn-digits' (e.g. 'python-stdlib')"
+            )
         if self.data.source == "sklearn-digits":
             if self.model.input_dim != DIGITS_FEATURES:
                 raise ValueError(
@@ -318,8 +319,7 @@ class RaylaneConfig(StrictModel):
 def _require_kind(kind: str, allowed: tuple[str, ...], what: str) -> None:
     """One line, `what` first, when `kind` is not one of `allowed`."""
     if kind not in allowed:
-        kinds = " or ".join(f"'{name}'" for name in allowed)
-        raise ValueError(f"{what}: model.kind must be {kinds}, not '{kind}'")
+        raise ValueError(f"{what}: model.kind must be {named(allowed)}, not '{kind}'")
 
 
 def _check_llama_split(model: ModelConfig, tp: int, sequence_parallel: bool) -> None:

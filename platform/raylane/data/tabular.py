@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from raylane.config import DataConfig, RaylaneConfig
 from raylane.config.data import TABLE_FORMATS
+from raylane.config.families import kinds_where, named, traits
 from raylane.data.corpus import AUTO_FORMATS, file_format, warn_skipped
 from raylane.data.errors import DataError
 from raylane.data.packing import split_indices
@@ -67,10 +68,10 @@ def prepare_table(cfg: RaylaneConfig, sources: Sources) -> tuple[int, int]:
     """Read every table, split the rows, write both splits and the manifest. Returns the rows
     of each split."""
     data = cfg.data
-    if cfg.model.kind not in ("mlp", "cnn"):
+    if not traits(cfg.model.kind).tabular:
         raise DataError(
-            f"data.files are tables (csv, parquet): model.kind must be 'mlp' or 'cnn', not "
-            f"'{cfg.model.kind}'"
+            f"data.files are tables (csv, parquet): model.kind must be "
+            f"{named(kinds_where('tabular'))}, not '{cfg.model.kind}'"
         )
     rows = Rows()
     for path in sources.files:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from raylane.models.kv_cache import KVCache
 from raylane.models.losses import head_cross_entropy
 
 
@@ -155,6 +156,16 @@ class GPT(nn.Module):
         logits = self.forward_step(tokens, cache, step)
         cache.advance(slots, counts or [tokens.shape[1]] * len(slots))
         return logits
+
+    @property
+    def max_positions(self) -> int:
+        """The positions the model reads (its position table's length)."""
+        return self.pos_emb.num_embeddings
+
+    def kv_cache(self, slots: int, max_len: int | None = None) -> KVCache:
+        """A cache of `slots` sequences of up to `max_len` positions (default: the context) on
+        the model's device and in its dtype."""
+        return KVCache.for_model(self, slots, max_len)
 
     def forward_step(self, tokens: torch.Tensor, cache, step) -> torch.Tensor:
         """Logits of `tokens` `[n, new]` placed in `cache` where `step` says (a `CacheStep`),

@@ -294,6 +294,11 @@ class LlamaForCausalLM(nn.Module):
         angles = torch.cat((freqs, freqs), dim=-1)[:, None]
         return angles.cos(), angles.sin()
 
+    @property
+    def max_positions(self) -> int:
+        """The positions the model reads (max_position_embeddings)."""
+        return self.config.max_positions
+
     def kv_cache(self, slots: int, max_len: int | None = None) -> KVCache:
         """A cache of `slots` sequences of up to `max_len` positions (default: the context),
         holding the key/value heads only, on the model's device and in its dtype."""

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from raylane.config import ConfigError
+from raylane.config.families import kinds_where, traits
+from raylane.config.families import named as named_kinds
 from raylane.config.model_uri import parse_model_uri
 from raylane.models.hf_checkpoint import TOKENIZER_FILES, read_config, save_pretrained
 from raylane.models.hf_checkpoint import weights_sha256 as files_sha256
@@ -152,10 +154,11 @@ def export_model(uri: str, directory: str | Path, tracking_uri: str) -> Exported
     named = f"models:/{ref.name}/{version}"
     _refuse_adapter(named, tags)
     model_cfg = _trained_model_config(client, found.run_id, named)
-    if model_cfg.kind != "llama":
-        article = "an" if model_cfg.kind == "mlp" else "a"
+    if not traits(model_cfg.kind).hf_checkpoint:
+        writes = named_kinds(kinds_where("hf_checkpoint"))
         raise CheckpointError(
-            f"{named} is {article} {model_cfg.kind}; raylane export writes Llama-family models"
+            f"{named} is a model.kind '{model_cfg.kind}' model; raylane export writes "
+            f"model.kind {writes} (Hugging Face checkpoints)"
         )
 
     model = _checked_trained_llama(client, tracking_uri, found, model_cfg, named)

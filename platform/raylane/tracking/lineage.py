@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from raylane.config import load_config
+from raylane.config.families import kinds_where, traits
+from raylane.config.families import named as named_kinds
 from raylane.config.model_uri import parse_model_uri
 from raylane.tracking.identity import weights_digest
 from raylane.tracking.registry import resolve_version
@@ -160,10 +162,10 @@ def _imported_base(cfg: RaylaneConfig, found, named: str, expect_digest: str | N
     tags = found.tags or {}
     imported, source = tags.get(SHA_TAG, ""), tags.get(SOURCE_TAG, "?")
     model = cfg.model
-    if model.kind != "llama" or model.pretrained is None:
+    if not traits(model.kind).hf_checkpoint or model.pretrained is None:
         raise BaseModelError(
             f"{named} is a Hugging Face checkpoint imported from {source}: set model.kind "
-            "'llama' and model.pretrained to that directory"
+            f"{named_kinds(kinds_where('hf_checkpoint'))} and model.pretrained to that directory"
         )
     try:
         sha, _ = weights_sha256(model.pretrained)

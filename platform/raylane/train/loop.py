@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from raylane.config import RaylaneConfig
+from raylane.config.families import traits
 from raylane.data.memory import MemorySplit, memory_batches
 from raylane.data.parquet import use_system_allocator
 from raylane.models.adapters import apply_lora
@@ -384,7 +385,7 @@ def _train_epochs(
             **split,
             **stats,
         }
-        if cfg.model.kind in ("gpt", "llama") and cfg.data.tokenizer == "bytes":
+        if traits(cfg.model.kind).language and cfg.data.tokenizer == "bytes":
             metrics["val_bits_per_byte"] = val_loss / math.log(2)  # one token is one byte
         again = epoch == start.epoch  # an earlier group may have ended it before a restart
         if journal is not None:  # before the report: the driver has it when fit() returns

@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 
 from raylane.config import RaylaneConfig
+from raylane.config.families import traits
 from raylane.data import DataError, ensure_dataset
 from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
 from raylane.train.checkpoint_files import META_FILE
@@ -22,7 +23,7 @@ def check_run_inputs(cfg: RaylaneConfig) -> str:
     URI."""
     if cfg.training.resume_from is not None:
         check_resumable(cfg.training.resume_from)
-    if cfg.model.kind == "custom":
+    if traits(cfg.model.kind).factory:
         # lazy: torch, which only a custom model's check needs before Ray starts
         from raylane.models.custom import check_custom_model
 

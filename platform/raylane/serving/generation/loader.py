@@ -24,6 +24,8 @@ from pathlib import Path
 import torch
 from mlflow.tracking import MlflowClient
 
+from raylane.config.families import kinds_where, traits
+from raylane.config.families import named as named_kinds
 from raylane.config.finetune import FinetuneConfig
 from raylane.config.model_uri import parse_model_uri
 from raylane.models import build_model
@@ -41,9 +43,6 @@ from raylane.tracking.checkpoints_hf import (
 )
 from raylane.tracking.lineage import adapter_of, recorded_model_config, registered_state
 from raylane.tracking.registry import resolve_version
-
-#: The model kinds generation serves.
-LANGUAGE_KINDS = ("gpt", "llama")
 
 
 @dataclass(frozen=True)
@@ -183,12 +182,12 @@ def _whole_model(client, tracking_uri: str, name: str, found, dtype, device):
     if (found.tags or {}).get(KIND_TAG) == HF_KIND:
         return _imported_model(tracking_uri, name, version, dtype, device)
     model_cfg = recorded_model_config(client, found.run_id)
-    if model_cfg.kind not in LANGUAGE_KINDS:
+    if not traits(model_cfg.kind).language:
         raise ValueError(
             f"{name} v{version} is a {model_cfg.kind!r} model; generation needs a language "
-            f"model ({' or '.join(repr(kind) for kind in LANGUAGE_KINDS)})"
+            f"model ({named_kinds(kinds_where('language'))})"
         )
-    if model_cfg.kind == "llama":
+    if traits(model_cfg.kind).hf_checkpoint:
         with tempfile.TemporaryDirectory(prefix="raylane-generate-") as scratch:
             model, tokenizer = read_trained_llama(tracking_uri, name, found, scratch)
             codec = _exported_codec(tokenizer, vocabulary(model))
