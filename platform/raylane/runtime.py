@@ -87,11 +87,26 @@ def _sigterm_kept() -> Iterator[None]:
             signal.signal(signal.SIGTERM, before)
 
 
+#: How long stopping a Ray this process started waits for its processes (raylet, GCS, the
+#: dashboard, workers) to exit before killing the rest.
+STOP_WAIT_S = 15.0
+
+
 def disconnect_ray(started_here: bool) -> None:
+    """Disconnect; a Ray this process started is stopped and its processes waited for, so
+    that the command returns with nothing of it running (a next command can bind its ports)."""
+    import psutil
     import ray
 
-    if started_here and ray.is_initialized():
-        ray.shutdown()
+    if not (started_here and ray.is_initialized()):
+        return
+    spawned = psutil.Process().children(recursive=True)
+    ray.shutdown(wait_for_processes=True)
+    _, alive = psutil.wait_procs(spawned, timeout=STOP_WAIT_S)
+    for process in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    psutil.wait_procs(alive, timeout=STOP_WAIT_S)
 
 
 def worker_threads(cfg: RaylaneConfig, local_world_size: int) -> int:

@@ -8,20 +8,24 @@ copy's own, and no RAY_* / MLFLOW_* / RAYLANE_* variable of the test session lea
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from tests.integration.reaper import MARK as LEFT
 from tests.readme_blocks import ROOT, Block
 
 MARK = ">>> "
+REAPER = Path(__file__).with_name("reaper.py")
 
 
 @dataclass
@@ -38,6 +42,9 @@ class Command:
 class BlockRun:
     returncode: int
     commands: list[Command]
+    #: The command lines of the processes the block started that were still running when it
+    #: returned (`tests/integration/reaper.py`).
+    left: list[str] = field(default_factory=list)
 
     @property
     def output(self) -> str:
@@ -112,9 +119,10 @@ def run_block(
     timeout_s: float,
     substitutions: dict[str, str] | None = None,
 ) -> BlockRun:
-    """The whole block in one shell (its `export`s and `source` carry from line to line)."""
+    """The whole block in one shell (its `export`s and `source` carry from line to line), under
+    `reaper.py`: `BlockRun.left` is what it left running."""
     done = subprocess.run(
-        ["bash", "-c", script(block, substitutions)],
+        [sys.executable, str(REAPER), "bash", "-c", script(block, substitutions)],
         cwd=copy,
         env=env,
         stdout=subprocess.PIPE,
@@ -122,7 +130,8 @@ def run_block(
         text=True,
         timeout=timeout_s,
     )
-    return BlockRun(done.returncode, _split(done.stdout))
+    output, _, left = done.stdout.rpartition(f"\n{LEFT}")
+    return BlockRun(done.returncode, _split(output), json.loads(left))
 
 
 def run_commands(

@@ -149,6 +149,7 @@ def test_command_line_block(readme):
     assert not [line for line in train if "Warning" in line], train
     assert len(train) <= 30, "\n".join(train)
     assert "raylane-digits@champion -> v1" in run.command("raylane promote 1").output
+    assert run.left == []  # train and the quickstart stop every process they started
 
     quickstart = run.command("raylane quickstart").output
     correct, total = map(int, re.search(r"(\d+)/(\d+) correct", quickstart).groups())
