@@ -41,6 +41,26 @@ class FinetuneConfig(StrictModel):
         "'mlp.2' the MLP's).",
     )
 
+    base_dtype: Literal["auto", "bf16", "fp32"] = Field(
+        "auto",
+        description="lora: the dtype the frozen base's linear and embedding weights are held "
+        "in (the adapters, their gradients and optimizer state are fp32 always). 'bf16': half "
+        "the base's bytes, each weight cast to the compute dtype one layer at a time as it is "
+        "used (a bf16 checkpoint loses nothing; an fp32 base is rounded); 'fp32': the base as "
+        "stored. 'auto': bf16 for a `model.pretrained` checkpoint stored in bf16 under strategy "
+        "'ddp' (every worker holds whole blocks), else fp32 (fsdp shards one dtype per block).",
+    )
+
+    def frozen_dtype(self, strategy: str, stored: str | None) -> str | None:
+        """The dtype a LoRA run holds its frozen base in under `strategy`, its checkpoint's
+        weights `stored` in that dtype (config.json's, None when unknown): 'bf16' or 'fp32';
+        None for a full fine-tune."""
+        if self.method != "lora":
+            return None
+        if self.base_dtype == "auto":
+            return "bf16" if strategy == "ddp" and stored == "bfloat16" else "fp32"
+        return self.base_dtype
+
     @field_validator("base")
     @classmethod
     def _model_uri(cls, value: str) -> str:

@@ -217,6 +217,14 @@ class ModelConfig(StrictModel):
         """The `pretrained` checkpoint's config.json (a few hundred bytes)."""
         return json.loads((self.pretrained / "config.json").read_text())
 
+    def stored_dtype(self) -> str | None:
+        """The dtype a `pretrained` checkpoint's config.json says its weights are stored in
+        ('bfloat16', 'float32', ...); None without one."""
+        if self.pretrained is None:
+            return None
+        raw = self.pretrained_config()
+        return raw.get("dtype") or raw.get("torch_dtype")
+
     def llama_widths(self) -> dict[str, int]:
         """llama: the widths a tensor-parallel split divides, by field name (n_heads, n_kv_heads,
         ffn_dim with its default), read from the checkpoint's config.json when `pretrained`."""

@@ -251,6 +251,7 @@ class RaylaneConfig(StrictModel):
                 f"finetune runs on strategy 'ddp' or 'fsdp' with every worker holding whole "
                 f"blocks (got '{par.strategy}', pp {par.pp}, tp {par.tp})"
             )
+        _check_base_dtype(self.finetune, par.strategy != "ddp")
         if self.finetune.method == "lora" and LORA_RECOMPUTES not in self.training.model_fields_set:
             # LoRA's base is frozen: most of what a step holds is its activations, which it
             # recomputes by default (the same gradients); `false` holds them.
@@ -314,6 +315,22 @@ class RaylaneConfig(StrictModel):
                     f"{DIGITS_CLASSES} classes"
                 )
         return self
+
+
+def _check_base_dtype(finetune: FinetuneConfig, sharded: bool) -> None:
+    """`finetune.base_dtype`: a LoRA base's; bf16 only where blocks are not sharded."""
+    if finetune.base_dtype == "auto":
+        return
+    if finetune.method != "lora":
+        raise ValueError(
+            "finetune.base_dtype holds a LoRA run's frozen base; method 'full' trains every "
+            "weight in the training precision (remove base_dtype)"
+        )
+    if finetune.base_dtype == "bf16" and sharded:
+        raise ValueError(
+            "finetune.base_dtype 'bf16' with a sharded layout (fsdp): FSDP shards one dtype per "
+            "block, and the adapters are fp32; use 'fp32' or 'auto', or strategy 'ddp'"
+        )
 
 
 def _require_kind(kind: str, allowed: tuple[str, ...], what: str) -> None:

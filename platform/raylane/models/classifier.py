@@ -68,13 +68,16 @@ def build_model(cfg: ModelConfig) -> nn.Module:
     return build_model_and_loss(cfg)[0]
 
 
-def build_model_and_loss(cfg: ModelConfig) -> tuple[nn.Module, LossFn]:
+def build_model_and_loss(
+    cfg: ModelConfig, dtype: torch.dtype = torch.float32
+) -> tuple[nn.Module, LossFn]:
     """`build_model`'s model and the loss it trains with: a custom factory's own loss_fn when
-    it returns one, else cross-entropy over the outputs' last dimension."""
+    it returns one, else cross-entropy over the outputs' last dimension. `dtype`: a
+    `pretrained` checkpoint's weights are read in it (every other model is built in fp32)."""
     if cfg.kind == "custom":
         model, loss_fn = build_custom(cfg)
         return model, loss_fn or cross_entropy
-    return _built_in(cfg), cross_entropy
+    return _built_in(cfg, dtype), cross_entropy
 
 
 def build_with_blocks(cfg: ModelConfig, n_layers: int) -> nn.Module:
@@ -86,12 +89,12 @@ def build_with_blocks(cfg: ModelConfig, n_layers: int) -> nn.Module:
     return _built_in(cfg.model_copy(update={"n_layers": n_layers}))
 
 
-def _built_in(cfg: ModelConfig) -> nn.Module:
+def _built_in(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> nn.Module:
     if cfg.kind == "gpt":
         return GPT(cfg.num_classes, cfg.input_dim, cfg.d_model, cfg.n_heads, cfg.n_layers)
     if cfg.kind == "llama":
         if cfg.pretrained is not None:
-            return load_pretrained(cfg.pretrained)
+            return load_pretrained(cfg.pretrained, dtype)
         return LlamaForCausalLM(llama_config(cfg))
     if cfg.kind == "cnn":
         return ConvClassifier(cfg.input_dim, cfg.hidden_sizes, cfg.num_classes, cfg.input_scale)

@@ -28,6 +28,7 @@ from raylane.data.memory import MemorySplit, memory_batches
 from raylane.data.parquet import use_system_allocator
 from raylane.models.adapters import apply_lora
 from raylane.models.classifier import build_model_and_loss
+from raylane.models.frozen import hold_frozen
 from raylane.models.losses import token_sums
 from raylane.models.optim import build_optimizer
 from raylane.parallel import get_strategy
@@ -302,12 +303,20 @@ def _plain_model(cfg: RaylaneConfig, spec: WorkerSpec):
     """The model before any parallelism, and the loss it trains with (`build_model_and_loss`):
     freshly initialised, or a fine-tuning run's base (its weights from the object store, or an
     imported checkpoint's from `model.pretrained`) with `finetune:`'s adapters."""
-    model, loss_fn = build_model_and_loss(cfg.model)
+    frozen = (
+        None
+        if cfg.finetune is None
+        else cfg.finetune.frozen_dtype(cfg.parallelism.strategy, cfg.model.stored_dtype())
+    )
+    held = torch.bfloat16 if frozen == "bf16" else torch.float32
+    model, loss_fn = build_model_and_loss(cfg.model, held)  # a checkpoint read straight in it
     if cfg.finetune is not None:
         if spec.base_state is not None:
             model.load_state_dict(ray.get(spec.base_state))
         if cfg.finetune.method == "lora":
             apply_lora(model, cfg.finetune)
+        if frozen == "bf16":
+            hold_frozen(model, torch.bfloat16, torch.float32)
     return model, loss_fn
 
 
