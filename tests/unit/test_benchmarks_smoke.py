@@ -97,6 +97,7 @@ def real_size(last: dict) -> None:
     assert last["recomputed_peak_mb"] > 0 and last["recomputed_grad_diff"] <= 1e-6
     # The base built in bf16 (rounded values): a near loss, not an equal one.
     assert last["bf16_base_peak_mb"] > 0 and 0 < last["bf16_base_loss_diff"] < 1e-2
+    assert last["lean_peak_mb"] > 0 and last["lean_loss_diff"] == 0.0  # the allocator only
 
 
 def smoke(name: str) -> list[str]:

@@ -93,6 +93,18 @@ def test_a_bf16_base_trains_the_adapters_exactly_as_the_fp32_base(build, targets
     assert 0.45 * base_bytes < held_bytes <= 0.5 * base_bytes
     held_types = {type(m) for m in held.modules()}
     assert FrozenLinear in held_types and FrozenEmbedding in held_types
+    # The head and loss in chunks of 5 tokens: the bf16 head cast once, the same loss.
+    chunk = 5 * 4 * vocab
+    for model in (whole, held):
+        model.zero_grad()
+    chunked = [m(x, targets=y, chunk_bytes=chunk) for m in (whole, held)]
+    assert chunked[1].item() == chunked[0].item()
+    torch.testing.assert_close(chunked[0], loss, rtol=0, atol=1e-6)
+    for loss_of in chunked:
+        loss_of.backward()
+    for (name, a), (_, b) in zip(whole.named_parameters(), held.named_parameters(), strict=True):
+        if a.requires_grad:
+            torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-7, msg=name)
 
 
 def _bf16_checkpoint(directory) -> None:

@@ -51,14 +51,14 @@ class FinetuneConfig(StrictModel):
         "'ddp' (every worker holds whole blocks), else fp32 (fsdp shards one dtype per block).",
     )
 
-    def frozen_dtype(self, strategy: str, stored: str | None) -> str | None:
-        """The dtype a LoRA run holds its frozen base in under `strategy`, its checkpoint's
-        weights `stored` in that dtype (config.json's, None when unknown): 'bf16' or 'fp32';
-        None for a full fine-tune."""
+    def frozen_dtype(self, sharded: bool, stored: str | None) -> str | None:
+        """The dtype a LoRA run holds its frozen base in, its layout `sharded` (FSDP) or not,
+        its checkpoint's weights `stored` in that dtype (config.json's, None when unknown):
+        'bf16' or 'fp32'; None for a full fine-tune."""
         if self.method != "lora":
             return None
         if self.base_dtype == "auto":
-            return "bf16" if strategy == "ddp" and stored == "bfloat16" else "fp32"
+            return "bf16" if not sharded and stored == "bfloat16" else "fp32"
         return self.base_dtype
 
     @field_validator("base")

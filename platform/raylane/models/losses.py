@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from raylane.models.frozen import FrozenLinear
+
 #: The target the loss and the validation sums skip (PyTorch's default `ignore_index`).
 IGNORE_INDEX = -100
 
@@ -73,6 +75,8 @@ def head_cross_entropy(
         return cross_entropy(head(flat_hidden).float(), flat_targets)
     from torch.utils.checkpoint import checkpoint
 
+    if isinstance(head, FrozenLinear):  # a bf16 frozen head: cast once, not once per chunk
+        head = _CastHead(head.weight.to(hidden.dtype), head.bias)
     # The chunks' sums added in float64: the mean then rounds once, as the whole logits' does.
     total = flat_hidden.new_zeros((), dtype=torch.float64)
     for start in range(0, tokens, chunk):
@@ -84,5 +88,16 @@ def head_cross_entropy(
     return (total / (flat_targets != IGNORE_INDEX).sum()).float()
 
 
-def _summed_loss(hidden: torch.Tensor, targets: torch.Tensor, head: torch.nn.Module):
+class _CastHead:
+    """A frozen head's weight cast to the hidden states' dtype for the chunks of one loss."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.to(hidden.dtype)
+        return F.linear(hidden, self.weight, bias)
+
+
+def _summed_loss(hidden: torch.Tensor, targets: torch.Tensor, head) -> torch.Tensor:
     return F.cross_entropy(head(hidden).float(), targets, reduction="sum")

@@ -35,7 +35,7 @@ from raylane.parallel import get_strategy
 from raylane.parallel.device import all_reduce_scalars, synchronize
 from raylane.parallel.meters import ActivationMeter, worker_memory
 from raylane.parallel.precision import apply_matmul_precision
-from raylane.runtime import worker_threads
+from raylane.runtime import apply_host_memory, worker_threads
 from raylane.tracking.identity import code_digest, package_dir, requirements
 from raylane.tracking.step_times import StepTimes, step_metrics
 from raylane.tracking.system_metrics import node_label, start_node_monitor
@@ -278,6 +278,7 @@ def train_loop_per_worker(loop_config: dict[str, Any]) -> None:
     rank = context.get_world_rank()
     torch.set_num_threads(worker_threads(cfg, context.get_local_world_size()))
     use_system_allocator()  # Ray Data's batches: Arrow's freed pages go back to the system
+    apply_host_memory(cfg.training.host_memory)
     apply_matmul_precision(cfg.training.precision)
     seed_everything(cfg.training.seed)
 
@@ -303,11 +304,7 @@ def _plain_model(cfg: RaylaneConfig, spec: WorkerSpec):
     """The model before any parallelism, and the loss it trains with (`build_model_and_loss`):
     freshly initialised, or a fine-tuning run's base (its weights from the object store, or an
     imported checkpoint's from `model.pretrained`) with `finetune:`'s adapters."""
-    frozen = (
-        None
-        if cfg.finetune is None
-        else cfg.finetune.frozen_dtype(cfg.parallelism.strategy, cfg.model.stored_dtype())
-    )
+    frozen = cfg.frozen_base_dtype()
     held = torch.bfloat16 if frozen == "bf16" else torch.float32
     model, loss_fn = build_model_and_loss(cfg.model, held)  # a checkpoint read straight in it
     if cfg.finetune is not None:
