@@ -68,19 +68,14 @@ LAYOUTS["3d"] = [
     "parallelism.tp=2",
     RAY_DATA,
 ]
-# Each of 2 pipeline stages sharded over 2 workers (FSDP2 inside the 1F1B schedule).
-LAYOUTS["pp-fsdp"] = [
-    "parallelism.strategy=fsdp",
-    "parallelism.pp=2",
-    "parallelism.dp=2",
-    "parallelism.schedule=1f1b",
-    RAY_DATA,
-]
+# Stages sharded by FSDP2 (pp 2 x fsdp 2) run the 3D run's path (the loop's PipelineParallel:
+# the same routing of rows, per-stage parts and DCP shards); what differs is inside the stage's
+# parallelisation, checked step by step by test_layout_equivalence.py's pp2-fsdp2 layout.
 # Context parallelism: each sequence split over 2 workers (ring attention), their checkpoint
 # the plain model rank 0 writes.
 LAYOUTS["cp"] = ["parallelism.strategy=ddp", "parallelism.pp=1", "parallelism.dp=1",
                  "parallelism.cp=2"]  # fmt: skip
-WORKERS = {"tp-sp": 2, "hsdp": 4, "fsdp-tp": 4, "3d": 8, "pp-fsdp": 4, "cp": 2}
+WORKERS = {"tp-sp": 2, "hsdp": 4, "fsdp-tp": 4, "3d": 8, "cp": 2}
 # Layouts only resumed onto (not compared on their own).
 RESUMED = {"fsdp": ["parallelism.strategy=fsdp", "parallelism.pp=1"]}
 
