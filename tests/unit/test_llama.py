@@ -26,7 +26,9 @@ SHAPE = dict(
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}  # fmt: skip
-TOLERANCE = 1e-4
+#: raylane's modules run the same operations in the same order as transformers' on the same
+#: weights (fp32, CPU): the logits are equal, not close (measured: 0.0 for every family).
+TOLERANCE = 0.0
 
 
 def _hf_model(kind: str):
