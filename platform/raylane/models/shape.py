@@ -200,6 +200,26 @@ class DecoderShape:
                 count += self.d_model * self.vocab_size
         return count
 
+    def block_linears(self) -> dict[str, tuple[int, int]]:
+        """Each linear of a block by its module name (what `finetune.target_modules` match):
+        `(in, out)` features."""
+        d, f, q, kv = self.d_model, self.ffn_dim, self.q_width, self.kv_width
+        if self.family == "gpt":
+            return {"q": (d, d), "k": (d, d), "v": (d, d), "proj": (d, d),
+                    "mlp.0": (d, f), "mlp.2": (f, d)}  # fmt: skip
+        return {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
+                "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}  # fmt: skip
+
+    def lora_params(self, targets: list[str], rank: int) -> int:
+        """The parameters of rank-`rank` LoRA adapters (A: rank x in, B: out x rank) on every
+        block's linears named by `targets` (a name matches a linear's name or its end)."""
+        linears = self.block_linears()
+        adapted = [
+            widths for name, widths in linears.items()
+            if any(name == t or name.endswith("." + t) or t.endswith("." + name) for t in targets)
+        ]  # fmt: skip
+        return self.n_layers * sum(rank * (fan_in + fan_out) for fan_in, fan_out in adapted)
+
     def _norm_params(self) -> int:
         return (2 if self.norm == "layernorm" else 1) * self.d_model
 
