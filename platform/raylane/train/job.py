@@ -84,7 +84,7 @@ def run_training(
     """
     phases = phases or PhaseClock()
     with phases.phase("preflight"):
-        tracking_uri = preflight(cfg)
+        tracking_uri, predicted = preflight(cfg)
         digest = dataset_digest(cfg.data.train_path, cfg.data.validation_path)
         base = base or resolve_run_base(cfg, tracking_uri, resume_run_id)
     with phases.phase("ray"):
@@ -96,6 +96,8 @@ def run_training(
     context = RunContext(cfg, tags, resume_run_id, digest, base, tracking_uri)
     with mlflow.start_run(**start) as run:
         log.info("MLflow run %s in %s", run.info.run_id, tracking_uri)
+        if predicted is not None:  # beside the measured `peak_rss_mb` of each epoch
+            mlflow.log_metric("predicted_peak_mb", predicted.total / 2**20, step=0)
         try:
             result, metrics, registered = _fit_and_record(
                 cfg, run_name, run.info.run_id, context, phases, setup_start, register

@@ -11,6 +11,7 @@ from pathlib import Path
 from raylane.config import RaylaneConfig
 from raylane.config.families import traits
 from raylane.data import DataError, ensure_dataset
+from raylane.models.worker_memory import WorkerPeak, predicted_peak
 from raylane.tracking import check_tracking_reachable, resolve_tracking_uri
 from raylane.train.checkpoint_files import META_FILE
 
@@ -33,14 +34,18 @@ def check_run_inputs(cfg: RaylaneConfig) -> str:
     return tracking_uri
 
 
-def preflight(cfg: RaylaneConfig) -> str:
+def preflight(cfg: RaylaneConfig) -> tuple[str, WorkerPeak | None]:
     """Everything that can fail before compute is spent: the run inputs above, then the
-    dataset (prepared if built in). Returns the tracking URI."""
+    dataset (prepared if built in). Returns the tracking URI, and each worker's predicted peak
+    memory where the family's shape predicts it (`raylane.models.worker_memory`), said here."""
     tracking_uri = check_run_inputs(cfg)
     train_info, val_info = ensure_dataset(cfg)
     log.info("data: %d training rows, %d validation rows", train_info.rows, val_info.rows)
     check_whole_batches(cfg, train_info.rows, val_info.rows)
-    return tracking_uri
+    peak = predicted_peak(cfg, val_info.rows)
+    if peak is not None:
+        log.info("predicted peak memory per worker: %s", peak.describe())
+    return tracking_uri, peak
 
 
 def check_whole_batches(cfg: RaylaneConfig, train_rows: int, val_rows: int) -> None:
