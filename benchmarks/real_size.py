@@ -54,9 +54,10 @@ def _adapted_model(widths: dict, recompute: bool, bf16_base: bool):
     model = LlamaForCausalLM(LlamaConfig(**widths, max_positions=TOKENS))
     torch.set_default_dtype(torch.float32)
     settings = FinetuneConfig(base="models:/base/1", rank=8, alpha=16, target_modules=TARGETS)
-    apply_lora(model, settings)
-    if bf16_base:
+    if bf16_base:  # as a run does: held first, the adapters then made in fp32
+        model.requires_grad_(False)
         hold_frozen(model, torch.bfloat16, torch.float32)
+    apply_lora(model, settings)
     if recompute:
         checkpoint_blocks(model)
     with torch.no_grad():

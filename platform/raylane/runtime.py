@@ -61,6 +61,9 @@ def connect_ray(
     runtime_env = None
     if ship is not None and address is not None and JOB_CONFIG_ENV not in os.environ:
         runtime_env = {"py_modules": [str(ship)]}
+    if address is None:  # what `disconnect_ray` may wait for and stop: what this start adds
+        _BEFORE_LOCAL_RAY.clear()
+        _BEFORE_LOCAL_RAY.update(_descendants())
     with long_step("connecting to Ray" if address else "starting Ray"), _sigterm_kept():
         context = ray.init(
             address=address or "local",
@@ -89,20 +92,34 @@ def _sigterm_kept() -> Iterator[None]:
             signal.signal(signal.SIGTERM, before)
 
 
+#: The processes this one had started before it started a local Ray (`connect_ray`): not
+#: Ray's, so `disconnect_ray` leaves them alone.
+_BEFORE_LOCAL_RAY: set[int] = set()
+
+
+def _descendants() -> set[int]:
+    import psutil
+
+    return {process.pid for process in psutil.Process().children(recursive=True)}
+
+
 #: How long stopping a Ray this process started waits for its processes (raylet, GCS, the
 #: dashboard, workers) to exit before killing the rest.
 STOP_WAIT_S = 15.0
 
 
 def disconnect_ray(started_here: bool) -> None:
-    """Disconnect; a Ray this process started is stopped and its processes waited for, so
-    that the command returns with nothing of it running (a next command can bind its ports)."""
+    """Disconnect; a Ray this process started is stopped and the processes started with it
+    waited for (killed past `STOP_WAIT_S`), so that the command returns with nothing of it
+    running (a next command can bind its ports)."""
     import psutil
     import ray
 
     if not (started_here and ray.is_initialized()):
         return
-    spawned = psutil.Process().children(recursive=True)
+    spawned = [
+        p for p in psutil.Process().children(recursive=True) if p.pid not in _BEFORE_LOCAL_RAY
+    ]
     ray.shutdown(wait_for_processes=True)
     _, alive = psutil.wait_procs(spawned, timeout=STOP_WAIT_S)
     for process in alive:
@@ -121,7 +138,8 @@ def worker_threads(cfg: RaylaneConfig, local_world_size: int) -> int:
 #: glibc's mallopt parameter: blocks at least this large are mapped on their own and unmapped
 #: when freed (setting it also stops glibc raising the threshold as the process frees blocks).
 _M_MMAP_THRESHOLD = -3
-#: `training.host_memory: lean`'s threshold: 1 MB (a 0.5B LoRA step: 2.8 GB held, 128 KB: 2.75).
+#: `training.host_memory: lean`'s threshold: 1 MB (a 0.5B LoRA step with an fp32 base held
+#: 2.8 GB at its peak with it, 2.75 GB with 128 KB, 5.0 GB with glibc's default).
 LEAN_MMAP_BYTES = 1 << 20
 
 

@@ -121,17 +121,25 @@ def run_block(
 ) -> BlockRun:
     """The whole block in one shell (its `export`s and `source` carry from line to line), under
     `reaper.py`: `BlockRun.left` is what it left running."""
-    done = subprocess.run(
+    process = subprocess.Popen(
         [sys.executable, str(REAPER), "bash", "-c", script(block, substitutions)],
         cwd=copy,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        timeout=timeout_s,
+        start_new_session=True,  # past its time the whole block is stopped, not the reaper
     )
-    output, _, left = done.stdout.rpartition(f"\n{LEFT}")
-    return BlockRun(done.returncode, _split(output), json.loads(left))
+    try:
+        stdout, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        raise
+    output, marked, report = stdout.rpartition(f"\n{LEFT}")
+    assert marked, f"reaper.py gave no report (exit {process.returncode}):\n{stdout[-3000:]}"
+    left = json.loads(report.splitlines()[0])
+    return BlockRun(process.returncode, _split(output), left)
 
 
 def run_commands(

@@ -94,10 +94,9 @@ def finetune(
         preflight.check_run_inputs(cfg)  # the tracking store and the base, before Ray starts
         with console.status(f"loading the base model {cfg.finetune.base}"):
             base = lineage.resolve_base(cfg, resolve_tracking_uri(cfg.tracking.tracking_uri))
-    recompute = cfg.training.activation_checkpointing
     console.print(
         f"base: {base.name} v{base.version} (weights {base.digest[:12]}), "
-        f"method {cfg.finetune.method}, activation checkpointing {'on' if recompute else 'off'}",
+        f"method {cfg.finetune.method}",
         highlight=False,
     )
     _train_and_report(cfg, phases, report=lambda o: _print_base_against(cfg, o), base=base)

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from raylane.models.frozen import hold_frozen
+
 if TYPE_CHECKING:
     from raylane.config.finetune import FinetuneConfig
 
@@ -49,6 +51,18 @@ def apply_lora(model: nn.Module, finetune: FinetuneConfig) -> nn.Module:
     inject_adapter_in_model(config, model)
     for name, parameter in model.named_parameters():
         parameter.requires_grad_(".lora_" in name)
+    return model
+
+
+def adapt(model: nn.Module, finetune: FinetuneConfig, frozen: str | None) -> nn.Module:
+    """A fine-tune's model from its base (in place): the base held in bf16 when `frozen` says
+    so (`raylane.models.frozen`; first, so that PEFT makes the adapters fp32), then LoRA's
+    adapters for method 'lora'."""
+    if frozen == "bf16":
+        model.requires_grad_(False)
+        hold_frozen(model, torch.bfloat16, torch.float32)
+    if finetune.method == "lora":
+        apply_lora(model, finetune)
     return model
 
 

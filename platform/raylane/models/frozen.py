@@ -24,7 +24,8 @@ class _FrozenLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias):
         ctx.save_for_backward(weight)
-        return F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
+        dtype = compute_dtype(x)
+        return F.linear(x, weight.to(dtype), None if bias is None else bias.to(dtype))
 
     @staticmethod
     def backward(ctx, grad):
@@ -32,8 +33,18 @@ class _FrozenLinear(torch.autograd.Function):
         return grad @ weight.to(grad.dtype), None, None
 
 
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype `x`'s matrix products run in: autocast's where it is on (no cast up to `x`'s
+    dtype and back down), else `x`'s."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 class FrozenLinear(nn.Linear):
-    """An `nn.Linear` whose frozen weight is stored in a narrower dtype than it computes in."""
+    """An `nn.Linear` whose frozen weight is stored in a narrower dtype than it computes in.
+    `compute_dtype` is what PEFT reads to keep the adapters it adds in that dtype."""
+
+    compute_dtype = torch.float32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _FrozenLinear.apply(x, self.weight, self.bias)
@@ -52,14 +63,15 @@ class FrozenEmbedding(nn.Embedding):
 def hold_frozen(model: nn.Module, dtype: torch.dtype, compute: torch.dtype) -> int:
     """Hold the weights of `model`'s frozen linears and embeddings in `dtype` (in place),
     computing in `compute`; every trainable parameter (an adapter's linears) and every other
-    module's in `compute`. Returns the bytes the held weights take."""
+    module's in `compute`. Before `apply_lora` (the base frozen first), the adapters PEFT adds
+    are made in `compute` (it reads the layer's `compute_dtype`), their random start never
+    rounded to `dtype`. Returns the bytes the held weights take."""
     for module in model.modules():
         kind = {nn.Linear: FrozenLinear, nn.Embedding: FrozenEmbedding}.get(type(module))
         if kind is None or any(p.requires_grad for p in module.parameters(recurse=False)):
             continue
         module.__class__ = kind
-        if kind is FrozenEmbedding:
-            module.compute_dtype = compute
+        module.compute_dtype = compute
     held: dict[int, int] = {}
     for module in model.modules():
         narrow = isinstance(module, FrozenLinear | FrozenEmbedding)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from raylane.models.frozen import FrozenLinear
+from raylane.models.frozen import FrozenLinear, compute_dtype
 
 #: The target the loss and the validation sums skip (PyTorch's default `ignore_index`).
 IGNORE_INDEX = -100
@@ -76,7 +76,7 @@ def head_cross_entropy(
     from torch.utils.checkpoint import checkpoint
 
     if isinstance(head, FrozenLinear):  # a bf16 frozen head: cast once, not once per chunk
-        head = _CastHead(head.weight.to(hidden.dtype), head.bias)
+        head = _CastHead(head.weight.to(compute_dtype(hidden)), head.bias)
     # The chunks' sums added in float64: the mean then rounds once, as the whole logits' does.
     total = flat_hidden.new_zeros((), dtype=torch.float64)
     for start in range(0, tokens, chunk):
@@ -95,7 +95,7 @@ class _CastHead:
         self.weight, self.bias = weight, bias
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.to(hidden.dtype)
+        bias = None if self.bias is None else self.bias.to(self.weight.dtype)
         return F.linear(hidden, self.weight, bias)
 
 

@@ -213,13 +213,12 @@ def _job_trainer(cfg: RaylaneConfig, run_name, tracking_uri, run_id, recorder, b
     )
     if cfg.training.precision == "bf16":  # as the driver sees it (other nodes may differ)
         log.info(bf16_speed(cfg.parallelism.use_gpu)[1])
-    if cfg.finetune is not None and cfg.finetune.method == "lora":
+    if cfg.finetune is not None:
         frozen = cfg.frozen_base_dtype()
         recompute = "recomputed" if cfg.training.activation_checkpointing else "held"
-        log.info(
-            "LoRA rank %d: the frozen base in %s, the adapters in fp32, activations %s, host "
-            "memory %s", cfg.finetune.rank, frozen, recompute, cfg.training.host_memory,
-        )  # fmt: skip
+        lora = f"LoRA rank {cfg.finetune.rank}: the frozen base in {frozen}, the adapters in fp32"
+        what = lora if frozen else "every weight trained"
+        log.info("%s, activations %s, host memory %s", what, recompute, cfg.training.host_memory)
     return trainer
 
 

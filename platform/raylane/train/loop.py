@@ -26,9 +26,8 @@ from raylane.config import RaylaneConfig
 from raylane.config.families import traits
 from raylane.data.memory import MemorySplit, memory_batches
 from raylane.data.parquet import use_system_allocator
-from raylane.models.adapters import apply_lora
+from raylane.models.adapters import adapt
 from raylane.models.classifier import build_model_and_loss
-from raylane.models.frozen import hold_frozen
 from raylane.models.losses import token_sums
 from raylane.models.optim import build_optimizer
 from raylane.parallel import get_strategy
@@ -305,15 +304,15 @@ def _plain_model(cfg: RaylaneConfig, spec: WorkerSpec):
     freshly initialised, or a fine-tuning run's base (its weights from the object store, or an
     imported checkpoint's from `model.pretrained`) with `finetune:`'s adapters."""
     frozen = cfg.frozen_base_dtype()
-    held = torch.bfloat16 if frozen == "bf16" else torch.float32
-    model, loss_fn = build_model_and_loss(cfg.model, held)  # a checkpoint read straight in it
+    stored_bf16 = frozen == "bf16" and cfg.model.stored_dtype() == "bfloat16"
+    # A bf16 checkpoint is read straight in bf16; any other is read as stored and cast.
+    model, loss_fn = build_model_and_loss(
+        cfg.model, torch.bfloat16 if stored_bf16 else torch.float32
+    )
     if cfg.finetune is not None:
         if spec.base_state is not None:
             model.load_state_dict(ray.get(spec.base_state))
-        if cfg.finetune.method == "lora":
-            apply_lora(model, cfg.finetune)
-        if frozen == "bf16":
-            hold_frozen(model, torch.bfloat16, torch.float32)
+        adapt(model, cfg.finetune, frozen)
     return model, loss_fn
 
 
