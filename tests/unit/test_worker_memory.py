@@ -80,3 +80,19 @@ def test_the_prediction_is_made_where_it_applies():
     assert predicted_peak(load_config(ROOT / "configs" / "train" / "digits_ddp.yaml"), 10) is None
     split = load_config(ROOT / "configs" / "train" / "lm_tp.yaml")
     assert predicted_peak(split, 10) is None  # the cost model's: a split model
+
+
+def test_a_local_run_that_cannot_fit_is_refused_with_its_figures():
+    from raylane.config import ConfigError
+    from raylane.train.preflight import check_fits_here
+
+    held = ["training.activation_checkpointing=false", "training.host_memory=fast"]
+    cfg = load_config(ROOT / "configs" / "finetune" / "llama_lora.yaml", held)
+    peak = predicted_peak(cfg, validation_rows=10)
+    check_fits_here(cfg, peak, available=2 * peak.total)  # 2 workers: just fits
+    with pytest.raises(ConfigError) as refused:
+        check_fits_here(cfg, peak, available=peak.total)
+    message = str(refused.value)
+    assert message.startswith(f"the run would need about {2 * peak.total / 2**30:.1f} GB (2 ")
+    assert "training.activation_checkpointing: true" in message
+    assert "training.host_memory: lean" in message and "\n" not in message

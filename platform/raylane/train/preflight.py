@@ -6,9 +6,12 @@ imports torch)."""
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
-from raylane.config import RaylaneConfig
+import psutil
+
+from raylane.config import ConfigError, RaylaneConfig
 from raylane.config.families import traits
 from raylane.data import DataError, ensure_dataset
 from raylane.models.worker_memory import WorkerPeak, predicted_peak
@@ -45,7 +48,28 @@ def preflight(cfg: RaylaneConfig) -> tuple[str, WorkerPeak | None]:
     peak = predicted_peak(cfg, val_info.rows)
     if peak is not None:
         log.info("predicted peak memory per worker: %s", peak.describe())
+        if not os.environ.get("RAY_ADDRESS"):  # a local Ray: every worker on this machine
+            check_fits_here(cfg, peak, psutil.virtual_memory().available)
     return tracking_uri, peak
+
+
+def check_fits_here(cfg: RaylaneConfig, peak: WorkerPeak, available: float) -> None:
+    """Refuse, before Ray starts, a local run whose workers' predicted peaks add up to more
+    than this machine's `available` bytes: one line with the figures and what lowers them."""
+    workers = cfg.parallelism.workers
+    need = peak.total * workers
+    if need <= available:
+        return
+    levers = ["a smaller training.batch_size"]
+    if not cfg.training.activation_checkpointing:
+        levers.insert(0, "training.activation_checkpointing: true")
+    if cfg.training.host_memory != "lean":
+        levers.append("training.host_memory: lean")
+    raise ConfigError(
+        f"the run would need about {need / 2**30:.1f} GB ({workers} workers x "
+        f"{peak.describe()}), more than the {available / 2**30:.1f} GB this machine has "
+        f"available: try {', '.join(levers)}, or a cluster (RAY_ADDRESS)"
+    )
 
 
 def check_whole_batches(cfg: RaylaneConfig, train_rows: int, val_rows: int) -> None:
