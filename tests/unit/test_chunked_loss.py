@@ -12,7 +12,13 @@ import torch
 from raylane.config import load_config
 from raylane.models import build_model
 from raylane.models.llama import LlamaConfig, LlamaForCausalLM
-from raylane.models.losses import IGNORE_INDEX, cross_entropy, head_cross_entropy
+from raylane.models.losses import (
+    IGNORE_INDEX,
+    cross_entropy,
+    head_cross_entropy,
+    head_token_sums,
+    token_sums,
+)
 from raylane.parallel.registry import get_strategy
 from tests.readme_blocks import ROOT
 
@@ -114,3 +120,38 @@ def test_the_strategys_step_fuses_the_loss_where_the_layout_allows():
     (whole, whole_params), (chunked, chunked_params) = results
     assert abs(chunked - whole) <= 1e-6
     assert max((chunked_params[n] - p).abs().max().item() for n, p in whole_params.items()) <= 1e-6
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 119, 1000])
+def test_validation_sums_in_chunks_equal_the_whole_logits(chunk_tokens, masked):
+    """`head_token_sums`: the summed loss within 1e-6 (relative) of `token_sums` over the whole
+    logits, the correct and counted targets exactly."""
+    hidden, head, targets = _inputs(masked)
+    with torch.no_grad():
+        whole = token_sums(head(hidden), targets)
+    chunked = head_token_sums(hidden, head, targets, chunk_bytes=chunk_tokens * 4 * VOCAB)
+    assert chunked[0].item() == pytest.approx(whole[0].item(), rel=1e-6)
+    assert (chunked[1].item(), chunked[2].item()) == (whole[1].item(), whole[2].item())
+    assert chunked[2].item() == (ROWS * SEQ // 2 if masked else ROWS * SEQ)
+
+
+def test_the_strategys_validation_takes_the_sums_in_chunks_where_it_fuses_the_loss():
+    """A DDP worker's validation of a batch, its logits in 8-token chunks, gives the whole
+    logits' figures (`training.loss_chunk_mb: 0`)."""
+    base = ["parallelism.strategy=ddp", "parallelism.workers=1", "parallelism.dp=1",
+            "parallelism.pp=1"]  # fmt: skip
+    path = ROOT / "configs" / "train" / "lm_pipeline.yaml"
+    torch.manual_seed(0)
+    plain = build_model(load_config(path, base).model).eval()
+    tokens = torch.randint(0, 256, (4, 65), generator=torch.Generator().manual_seed(2))
+    figures = []
+    for mb in (0, 8 * 4 * 256 / 2**20):
+        strategy = get_strategy(load_config(path, [*base, f"training.loss_chunk_mb={mb}"]), 0)
+        model = strategy.wrap_model(copy.deepcopy(plain))
+        with torch.no_grad():
+            figures.append(strategy.validation_sums(model, tokens[:, :-1], tokens[:, 1:]))
+    (loss, correct, counted), (chunked_loss, chunked_correct, chunked_counted) = figures
+    assert chunked_loss.item() == pytest.approx(loss.item(), rel=1e-6)
+    assert (chunked_correct.item(), chunked_counted.item()) == (correct.item(), counted.item())
+    assert counted.item() == 4 * 64

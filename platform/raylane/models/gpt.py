@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from raylane.models.kv_cache import KVCache
-from raylane.models.losses import head_cross_entropy
+from raylane.models.losses import head_cross_entropy, head_token_sums
 
 
 class CausalSelfAttention(nn.Module):
@@ -117,18 +117,21 @@ class GPT(nn.Module):
     takes_targets = True
 
     def forward(
-        self, x: torch.Tensor, targets: torch.Tensor | None = None, chunk_bytes: float | None = None
-    ) -> torch.Tensor:
+        self, x: torch.Tensor, targets: torch.Tensor | None = None,
+        chunk_bytes: float | None = None, sums: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
         """Logits of tokens `x` `[B, T]` (or hidden states of a later stage); with `targets`
         (a whole model's), the mean cross-entropy, its head computed in chunks of at most
-        `chunk_bytes` of logits (`raylane.models.losses.head_cross_entropy`)."""
+        `chunk_bytes` of logits (`raylane.models.losses.head_cross_entropy`), or with `sums`
+        validation's `(loss_sum, correct, counted)` so (`head_token_sums`)."""
         if self.tok_emb is not None:
             x = self.tok_emb(x) + self.pos_emb(self.positions(x.shape[1], x.device))
         for block in self.blocks.values():
             x = block(x)
         if self.head is not None:
-            if targets is not None:
-                return head_cross_entropy(self.norm(x), self.head, targets, chunk_bytes)
+            if targets is not None:  # validation's sums, or the training loss
+                fused = head_token_sums if sums else head_cross_entropy
+                return fused(self.norm(x), self.head, targets, chunk_bytes)
             x = self.head(self.norm(x))
         return x
 

@@ -23,7 +23,7 @@ from torch.nn import functional as F
 
 from raylane.models.gpt import GPT
 from raylane.models.kv_cache import KVCache
-from raylane.models.losses import head_cross_entropy
+from raylane.models.losses import head_cross_entropy, head_token_sums
 
 if TYPE_CHECKING:
     from raylane.config import ModelConfig
@@ -260,11 +260,13 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor | None = None,
         targets: torch.Tensor | None = None, chunk_bytes: float | None = None,
+        sums: bool = False,
     ) -> torch.Tensor:  # fmt: skip
         """Logits of tokens `x` `[B, T]` (or hidden states of a later stage). `positions`
         (`[T]` or `[B, T]`, int64): where the tokens sit in their sequences; default
         `self.positions`, 0..T-1. With `targets` (a whole model's), the mean cross-entropy,
-        its head in chunks of at most `chunk_bytes` of logits (`head_cross_entropy`)."""
+        its head in chunks of at most `chunk_bytes` of logits (`head_cross_entropy`), or with
+        `sums` validation's sums so (`head_token_sums`)."""
         if positions is None:
             positions = self.positions(x.shape[1], x.device)
         cos, sin = self.rotary(positions)
@@ -273,8 +275,9 @@ class LlamaForCausalLM(nn.Module):
         for block in self.blocks.values():
             x = block(x, cos, sin)
         if self.head is not None:
-            if targets is not None:
-                return head_cross_entropy(self.norm(x), self.head, targets, chunk_bytes)
+            if targets is not None:  # validation's sums, or the training loss
+                fused = head_token_sums if sums else head_cross_entropy
+                return fused(self.norm(x), self.head, targets, chunk_bytes)
             x = self.head(self.norm(x))
         return x
 

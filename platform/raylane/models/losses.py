@@ -101,3 +101,29 @@ class _CastHead:
 
 def _summed_loss(hidden: torch.Tensor, targets: torch.Tensor, head) -> torch.Tensor:
     return F.cross_entropy(head(hidden).float(), targets, reduction="sum")
+
+
+@torch.no_grad()
+def head_token_sums(
+    hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor,
+    chunk_bytes: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`token_sums(head(hidden), targets)` without the whole vocabulary's logits: validation's
+    sums over chunks of at most `chunk_bytes` of fp32 logits (as `head_cross_entropy`'s)."""
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_targets = targets.reshape(-1).to(hidden.device)
+    chunk_bytes = LOSS_CHUNK_MB * 2**20 if chunk_bytes is None else chunk_bytes
+    chunk = max(1, int(chunk_bytes // (4 * head.out_features)))
+    if flat_targets.numel() <= chunk:
+        return token_sums(head(flat_hidden), flat_targets)
+    if isinstance(head, FrozenLinear):
+        head = _CastHead(head.weight.to(compute_dtype(hidden)), head.bias)
+    sums = [flat_hidden.new_zeros((), dtype=torch.float64) for _ in range(3)]
+    for start in range(0, flat_targets.numel(), chunk):
+        part = slice(start, start + chunk)
+        logits, wanted = head(flat_hidden[part]).float(), flat_targets[part]
+        counts = wanted != IGNORE_INDEX
+        sums[0] += F.cross_entropy(logits, wanted, reduction="sum").double()
+        sums[1] += ((logits.argmax(dim=-1) == wanted) & counts).sum().double()
+        sums[2] += counts.sum().double()
+    return sums[0], sums[1], sums[2]

@@ -7,8 +7,8 @@ fp32), the trainable parameters' gradients and AdamW's two moments, the activati
 holds (every block's, or with recomputation every block's input and one block's), the loss's
 share (one chunk of fp32 logits with its log-softmax and gradient, or the whole logits; a bf16
 head's fp32 copy for the loss), and the runtime of a worker process. Validation holds the
-weights, the runtime and one batch's whole fp32 logits with their log-softmax; the peak is the
-larger of the two. Torch-free: the preflight reads it before Ray starts.
+weights, the runtime and one chunk of fp32 logits with their log-softmax (a whole batch's
+where the loss is not chunked); the peak is the larger of the two. Torch-free: the preflight reads it before Ray starts.
 """
 
 from __future__ import annotations
@@ -91,16 +91,22 @@ def predict_worker_peak(
     # Recomputed: every block's fp32 input, and one block's activations at a time.
     activations = shape.n_layers * (tokens * d * 4 if recompute else block) + recompute * block
     logits = tokens * vocab * 4
+    head_copy = d * vocab * 4 if frozen_bytes < 4 else 0  # a bf16 head cast once per loss
     if chunk_bytes and logits > chunk_bytes:
-        loss = 3 * chunk_bytes + (d * vocab * 4 if frozen_bytes < 4 else 0)
+        loss = 3 * chunk_bytes + head_copy
     else:
         loss = 4 * logits  # the logits, their log-softmax, and both gradients
+    validation_logits = validation_rows * shape.context_length * vocab * 4
+    if chunk_bytes and validation_logits > chunk_bytes:  # validation's sums in chunks too
+        validation = 2 * chunk_bytes + head_copy
+    else:
+        validation = 2 * validation_logits  # the logits and their log-softmax
     return WorkerPeak(
         weights=(total - trainable) * frozen_bytes + trainable * 4,
         trainable_state=trainable * TRAINABLE_STATE_BYTES,
         activations=activations,
         loss=loss,
-        validation=2 * validation_rows * shape.context_length * vocab * 4,
+        validation=validation,
         runtime=runtime,
     )
 

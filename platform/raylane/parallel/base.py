@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from raylane.models.losses import cross_entropy
+from raylane.models.losses import cross_entropy, token_sums
 from raylane.parallel.device import CPU, to_device, worker_device
 from raylane.parallel.meters import ActivationMeter
 from raylane.parallel.parallelize import parallelize
@@ -88,6 +88,13 @@ class ParallelStrategy(Protocol):
         self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     ) -> torch.Tensor | None:
         """Evaluation forward of one batch; the outputs where `reports_loss`, else None."""
+        ...
+
+    def validation_sums(
+        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        """`(loss_sum, correct, counted)` of one validation batch (`token_sums`), where
+        `reports_loss`, else None."""
         ...
 
     def epoch_stats(self) -> dict[str, float]:
@@ -216,6 +223,25 @@ class StrategyDefaults:
     ) -> torch.Tensor | None:
         with autocast(self.precision, self.device):
             return model(to_device(inputs, self.device)).float()
+
+    #: Whether validation may run the head and the loss's sums in chunks inside the model's
+    #: forward (as the step does where it `_fuses_loss`): a strategy with its own evaluation
+    #: forward (the mesh's, the pipeline's) computes the logits there.
+    chunked_validation = True
+
+    def validation_sums(
+        self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> tuple[Tensor, Tensor, Tensor] | None:
+        if self.chunked_validation and self._fuses_loss(model, cross_entropy):
+            with autocast(self.precision, self.device):
+                return model(
+                    to_device(inputs, self.device), targets=to_device(targets, self.device),
+                    chunk_bytes=self.loss_chunk_bytes, sums=True,
+                )  # fmt: skip
+        outputs = self.forward(model, inputs, targets)
+        if outputs is None or not targets.numel():
+            return None
+        return token_sums(outputs, targets)
 
     def epoch_stats(self) -> dict[str, float]:
         return {}

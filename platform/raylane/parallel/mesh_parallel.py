@@ -115,6 +115,8 @@ class MeshParallel(StrategyDefaults):
             return inputs, targets
         return tuple(shard_sequence(t, 1, self.cp_rank, self.cp) for t in (inputs, targets))
 
+    chunked_validation = False  # its own evaluation forward, below
+
     def forward(
         self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     ) -> torch.Tensor | None:

@@ -148,6 +148,8 @@ class PipelineParallel(StrategyDefaults):
         }
         return torch.stack(losses).mean().detach() if self.is_last else None
 
+    chunked_validation = False  # its own evaluation forward, below
+
     def forward(
         self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor
     ) -> torch.Tensor | None:

@@ -28,7 +28,6 @@ from raylane.data.memory import MemorySplit, memory_batches
 from raylane.data.parquet import use_system_allocator
 from raylane.models.adapters import adapt
 from raylane.models.classifier import build_model_and_loss
-from raylane.models.losses import token_sums
 from raylane.models.optim import build_optimizer
 from raylane.parallel import get_strategy
 from raylane.parallel.device import all_reduce_scalars, synchronize
@@ -209,10 +208,10 @@ def _evaluate(strategy, model, shard, cfg):
     model.eval()
     loss_sum, correct, count = 0.0, 0.0, 0.0
     for inputs, targets in _my_batches(strategy, shard, cfg, shuffle_seed=None, whole=True):
-        outputs = strategy.forward(model, inputs, targets)
-        if outputs is None or not targets.numel():
+        sums = strategy.validation_sums(model, inputs, targets)  # every rank takes part
+        if sums is None or not targets.numel():
             continue
-        batch_loss, batch_correct, batch_count = token_sums(outputs, targets)
+        batch_loss, batch_correct, batch_count = sums
         loss_sum, correct = loss_sum + batch_loss, correct + batch_correct
         count = count + batch_count
     loss_sum, correct, count = all_reduce_scalars([loss_sum, correct, count])
