@@ -8,7 +8,8 @@ holds (every block's, or with recomputation every block's input and one block's)
 share (one chunk of fp32 logits with its log-softmax and gradient, or the whole logits; a bf16
 head's fp32 copy for the loss), and the runtime of a worker process. Validation holds the
 weights, the runtime and one chunk of fp32 logits with their log-softmax (a whole batch's
-where the loss is not chunked); the peak is the larger of the two. Torch-free: the preflight reads it before Ray starts.
+where the loss is not chunked); the peak is the larger of the two. Torch-free: the preflight
+reads it before Ray starts.
 """
 
 from __future__ import annotations
@@ -92,15 +93,11 @@ def predict_worker_peak(
     activations = shape.n_layers * (tokens * d * 4 if recompute else block) + recompute * block
     logits = tokens * vocab * 4
     head_copy = d * vocab * 4 if frozen_bytes < 4 else 0  # a bf16 head cast once per loss
-    if chunk_bytes and logits > chunk_bytes:
-        loss = 3 * chunk_bytes + head_copy
-    else:
-        loss = 4 * logits  # the logits, their log-softmax, and both gradients
+    # The step: a chunk's logits, log-softmax and gradient, or the whole logits' four copies
+    # (the logits, their log-softmax, both gradients); validation's sums: two of either.
+    loss = _logits_held(logits, chunk_bytes, 3, 4, head_copy)
     validation_logits = validation_rows * shape.context_length * vocab * 4
-    if chunk_bytes and validation_logits > chunk_bytes:  # validation's sums in chunks too
-        validation = 2 * chunk_bytes + head_copy
-    else:
-        validation = 2 * validation_logits  # the logits and their log-softmax
+    validation = _logits_held(validation_logits, chunk_bytes, 2, 2, head_copy)
     return WorkerPeak(
         weights=(total - trainable) * frozen_bytes + trainable * 4,
         trainable_state=trainable * TRAINABLE_STATE_BYTES,
@@ -109,6 +106,16 @@ def predict_worker_peak(
         validation=validation,
         runtime=runtime,
     )
+
+
+def _logits_held(
+    logits: float, chunk_bytes: float, chunk_copies: int, whole_copies: int, head_copy: float
+) -> float:
+    """Bytes of fp32 logits held at once: `chunk_copies` chunks (and the bf16 head's fp32 copy)
+    where the logits exceed a chunk, else `whole_copies` of the whole."""
+    if chunk_bytes and logits > chunk_bytes:
+        return chunk_copies * chunk_bytes + head_copy
+    return whole_copies * logits
 
 
 def predicted_peak(cfg: RaylaneConfig, validation_rows: int) -> WorkerPeak | None:
